@@ -1,0 +1,433 @@
+"""Gathered matmuls for the SEBP backward pass of a linear layer, in Pallas.
+
+The forward is ``y = x @ kernel + bias`` with ``x: [T, D]``, ``kernel: [D, N]``.
+The SEBP backward keeps only the rows of ``dy: [T, N]`` listed in
+``active_rows: int32[K]`` (sorted ascending, padded at the end with the
+out-of-range sentinel ``T``) and computes
+
+  dx[r]  = dy[r] @ kernel.T   for r in active_rows, every other row of dx = 0
+  dW     = sum_r x[r].T @ dy[r]
+  db     = sum_r dy[r]
+
+The kernels gather the selected rows straight from ``dy`` / ``x`` in device
+memory (integer-array indexers on the leading dimension of whole-array refs),
+so no gathered copy of either is ever materialised.
+
+They target the Pallas Triton backend (selected through
+``plgpu.CompilerParams``); since jax 0.11 that backend is deprecated, which is
+why everything backend-specific stays inside this module behind
+``gathered_dx`` and ``gathered_dw_db``. Nothing here is Hopper-only: Triton
+picks the matrix instructions for the card it compiles for (sm_80 and up).
+
+Layout: kernel bodies, pallas_call wrappers, public functions, references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile shape and launch parameters of one gathered-matmul kernel.
+
+  Both kernels tile the same three axes: ``block_rows`` selected rows,
+  ``block_d`` input features (columns of ``x`` / rows of ``kernel``) and
+  ``block_n`` output features (columns of ``dy``).
+
+  * ``gathered_dx``: each program computes a ``[block_rows, block_d]`` tile of
+    dx, stepping over N by ``block_n``.
+  * ``gathered_dw_db``: each program computes a ``[block_d, block_n]`` tile of
+    dW, stepping over the selected rows by ``block_rows``; ``split_rows > 1``
+    splits that reduction over several programs (float32 partial sums added
+    afterwards), which keeps the GPU busy when D * N has few tiles.
+
+  Every block dimension must be a power of two >= 16 (Triton's dot needs 16).
+  """
+
+  block_rows: int = 64
+  block_d: int = 128
+  block_n: int = 64
+  split_rows: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_d", "block_n"):
+      size = getattr(self, name)
+      if size < 16 or size & (size - 1):
+        raise ValueError(f"{name}={size} must be a power of two >= 16")
+    if self.split_rows < 1:
+      raise ValueError(f"split_rows={self.split_rows} must be >= 1")
+
+
+# Defaults measured on an H100 (bf16, T=16384, 20% of rows kept; see
+# benchmarks/RESULTS.md), keyed by shape class. Wide = the output tile axis
+# (D for dx, D * N for dW) is large enough to fill the GPU without splitting.
+_DX_DEFAULTS = {
+    "small": BlockSizes(block_rows=64, block_d=128, block_n=64,
+                        num_warps=4, num_stages=3),
+    "large": BlockSizes(block_rows=128, block_d=128, block_n=64,
+                        num_warps=8, num_stages=3),
+}
+_DW_DEFAULTS = {
+    "small": BlockSizes(block_rows=64, block_d=128, block_n=128, split_rows=4,
+                        num_warps=4, num_stages=3),
+    "large": BlockSizes(block_rows=64, block_d=128, block_n=128,
+                        num_warps=8, num_stages=3),
+}
+
+
+def default_block_sizes(kernel: str, d: int, n: int) -> BlockSizes:
+  """Measured default tiles for ``kernel`` ("dx" or "dw") at ``D=d, N=n``."""
+  if kernel == "dx":
+    return _DX_DEFAULTS["large" if d >= 2048 else "small"]
+  if kernel == "dw":
+    return _DW_DEFAULTS["large" if d * n >= 2048 * 2048 else "small"]
+  raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _fit(block: int, dim: int) -> int:
+  """Shrinks a block to the smallest power of two >= 16 covering ``dim``."""
+  return min(block, max(16, pl.next_power_of_2(dim)))
+
+
+def _dot_precision(precision, *dtypes):
+  # Triton lowers Precision.DEFAULT on float32 operands to tf32; SEBP promises
+  # full float32 unless the caller asks otherwise.
+  if precision is None and any(jnp.dtype(d) == jnp.float32 for d in dtypes):
+    return lax.Precision.HIGHEST
+  return precision
+
+
+def _dot_f32(a, b, *, contract_a: int, contract_b: int, precision):
+  """``a`` · ``b`` over the given axes, accumulated in float32."""
+  return lax.dot_general(
+      a, b, (((contract_a,), (contract_b,)), ((), ())),
+      precision=precision, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Kernel bodies.
+# ---------------------------------------------------------------------------
+
+
+def _gathered_dx_kernel(
+    active_rows_ref,  # int32[K_pad], K_pad a multiple of block_rows
+    is_active_ref,  # int32[T]: 1 where the row is selected
+    dy_ref,  # [T, N]
+    kernel_ref,  # [D, N]
+    dx_ref,  # [T, D] (output)
+    *, num_compute_blocks: int, block_sizes: BlockSizes, compute_dtype,
+    precision):
+  num_rows, n = dy_ref.shape
+  d = kernel_ref.shape[0]
+  block_rows, block_d, block_n = (
+      block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
+  d_block = pl.program_id(0)
+  row_block = pl.program_id(1)
+  d_idx = d_block * block_d + jnp.arange(block_d)
+  d_in = d_idx < d
+
+  # Programs [0, num_compute_blocks) compute the selected rows; the rest write
+  # zeros to the unselected rows, so dx is produced by one launch with no
+  # zero-filled buffer written first.
+  first_row = active_rows_ref[jnp.minimum(row_block, num_compute_blocks - 1)
+                              * block_rows]
+
+  # Rows are sorted with sentinels last, so a block is all padding iff its
+  # first row is the sentinel: skip the whole N loop.
+  @pl.when(jnp.logical_and(row_block < num_compute_blocks,
+                           first_row < num_rows))
+  def _compute():
+    rows = active_rows_ref[pl.ds(row_block * block_rows, block_rows)]
+    row_in = rows < num_rows
+
+    def body(n_step, acc):
+      n_idx = n_step * block_n + jnp.arange(block_n)
+      n_in = n_idx < n
+      dy_tile = plgpu.load(
+          dy_ref.at[rows[:, None], n_idx[None, :]],
+          mask=row_in[:, None] & n_in[None, :], other=0.0)
+      kernel_tile = plgpu.load(
+          kernel_ref.at[d_idx[:, None], n_idx[None, :]],
+          mask=d_in[:, None] & n_in[None, :], other=0.0)
+      return acc + _dot_f32(
+          dy_tile.astype(compute_dtype), kernel_tile.astype(compute_dtype),
+          contract_a=1, contract_b=1, precision=precision)
+
+    acc = lax.fori_loop(0, pl.cdiv(n, block_n), body,
+                        jnp.zeros((block_rows, block_d), jnp.float32))
+    plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
+                acc.astype(dx_ref.dtype),
+                mask=row_in[:, None] & d_in[None, :])
+
+  @pl.when(row_block >= num_compute_blocks)
+  def _zero_fill():
+    rows = (row_block - num_compute_blocks) * block_rows + jnp.arange(
+        block_rows)
+    row_in = rows < num_rows
+    selected = plgpu.load(is_active_ref.at[rows], mask=row_in, other=1)
+    plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
+                jnp.zeros((block_rows, block_d), dx_ref.dtype),
+                mask=(selected == 0)[:, None] & d_in[None, :])
+
+
+def _gathered_dw_db_kernel(
+    num_selected_ref,  # int32[1]: number of non-sentinel entries
+    active_rows_ref,  # int32[K_pad]
+    x_ref,  # [T, D]
+    dy_ref,  # [T, N]
+    dw_ref,  # [split_rows, D, N] (output)
+    *db_refs,  # ([split_rows, N] output,) with bias, () without
+    steps_per_split: int, block_sizes: BlockSizes, compute_dtype,
+    precision):
+  num_rows, d = x_ref.shape
+  n = dy_ref.shape[1]
+  db_ref = db_refs[0] if db_refs else None
+  block_rows, block_d, block_n = (
+      block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
+  n_block = pl.program_id(0)
+  d_block = pl.program_id(1)
+  split = pl.program_id(2)
+  d_idx = d_block * block_d + jnp.arange(block_d)
+  n_idx = n_block * block_n + jnp.arange(block_n)
+  d_in = d_idx < d
+  n_in = n_idx < n
+
+  # Only steps holding at least one selected row do work: padding at the end
+  # of active_rows costs nothing.
+  num_steps = pl.cdiv(num_selected_ref[0], block_rows)
+  first_step = split * steps_per_split
+  last_step = jnp.minimum(first_step + steps_per_split, num_steps)
+
+  def body(step, carry, *, with_db: bool):
+    dw_acc, db_acc = carry
+    rows = active_rows_ref[pl.ds(step * block_rows, block_rows)]
+    row_in = rows < num_rows
+    x_tile = plgpu.load(
+        x_ref.at[rows[:, None], d_idx[None, :]],
+        mask=row_in[:, None] & d_in[None, :], other=0.0)
+    dy_tile = plgpu.load(
+        dy_ref.at[rows[:, None], n_idx[None, :]],
+        mask=row_in[:, None] & n_in[None, :], other=0.0)
+    dw_acc += _dot_f32(
+        x_tile.astype(compute_dtype), dy_tile.astype(compute_dtype),
+        contract_a=0, contract_b=0, precision=precision)
+    if with_db:
+      db_acc += jnp.sum(dy_tile.astype(jnp.float32), axis=0)
+    return dw_acc, db_acc
+
+  init = (jnp.zeros((block_d, block_n), jnp.float32),
+          jnp.zeros((block_n,), jnp.float32))
+
+  def reduce(with_db: bool):
+    return lax.fori_loop(first_step, last_step,
+                         functools.partial(body, with_db=with_db), init)
+
+  if db_ref is None:
+    dw_acc, _ = reduce(with_db=False)
+  else:
+    # db needs the column sums of dy only once per N tile: the d_block == 0
+    # programs compute them, the others skip the reduction.
+    dw_acc, db_acc = lax.cond(d_block == 0, lambda: reduce(with_db=True),
+                              lambda: reduce(with_db=False))
+
+    @pl.when(d_block == 0)
+    def _store_db():
+      plgpu.store(db_ref.at[split, n_idx], db_acc.astype(db_ref.dtype),
+                  mask=n_in)
+
+  plgpu.store(dw_ref.at[split, d_idx[:, None], n_idx[None, :]],
+              dw_acc.astype(dw_ref.dtype),
+              mask=d_in[:, None] & n_in[None, :])
+
+
+# ---------------------------------------------------------------------------
+# pallas_call wrappers.
+# ---------------------------------------------------------------------------
+
+
+def _pad_active_rows(active_rows: jax.Array, num_rows: int,
+                     block_rows: int) -> jax.Array:
+  """Pads ``active_rows`` with the sentinel to a non-zero multiple of
+  ``block_rows``, so every program reads a full block of indices."""
+  k = active_rows.shape[0]
+  k_pad = max(1, pl.cdiv(k, block_rows)) * block_rows
+  return jnp.pad(active_rows.astype(jnp.int32), (0, k_pad - k),
+                 constant_values=num_rows)
+
+
+def _compiler_params(block_sizes: BlockSizes):
+  return plgpu.CompilerParams(num_warps=block_sizes.num_warps,
+                              num_stages=block_sizes.num_stages)
+
+
+def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
+                      interpret: bool, precision):
+  num_rows = dy.shape[0]
+  d = kernel.shape[0]
+  active_rows = _pad_active_rows(active_rows, num_rows, block_sizes.block_rows)
+  # Sentinel entries land in slot T, which is cut off.
+  is_active = jnp.zeros((num_rows + 1,), jnp.int32).at[active_rows].set(1)
+  is_active = is_active[:num_rows]
+  num_compute_blocks = active_rows.shape[0] // block_sizes.block_rows
+  num_zero_blocks = pl.cdiv(num_rows, block_sizes.block_rows)
+  compute_dtype = jnp.promote_types(dy.dtype, kernel.dtype)
+  body = functools.partial(
+      _gathered_dx_kernel, num_compute_blocks=num_compute_blocks,
+      block_sizes=block_sizes, compute_dtype=compute_dtype,
+      precision=_dot_precision(precision, dy.dtype, kernel.dtype))
+  return pl.pallas_call(
+      body,
+      # D tiles vary fastest: programs running together share one gathered
+      # block of dy rows, which then comes from L2.
+      grid=(pl.cdiv(d, block_sizes.block_d),
+            num_compute_blocks + num_zero_blocks),
+      out_shape=jax.ShapeDtypeStruct((num_rows, d), dy.dtype),
+      compiler_params=_compiler_params(block_sizes),
+      interpret=interpret,
+      name="sebp_gathered_dx",
+  )(active_rows, is_active, dy, kernel)
+
+
+def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
+                         block_sizes: BlockSizes, interpret: bool, precision):
+  num_rows, d = x.shape
+  n = dy.shape[1]
+  num_selected = jnp.sum(active_rows < num_rows, dtype=jnp.int32)[None]
+  active_rows = _pad_active_rows(active_rows, num_rows, block_sizes.block_rows)
+  num_steps = active_rows.shape[0] // block_sizes.block_rows
+  split_rows = min(block_sizes.split_rows, num_steps)
+  steps_per_split = pl.cdiv(num_steps, split_rows)
+  # With one split the kernel writes the final dtype directly; partial sums
+  # stay float32 until they are added.
+  dw_dtype = x.dtype if split_rows == 1 else jnp.float32
+  db_dtype = dy.dtype if split_rows == 1 else jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((split_rows, d, n), dw_dtype)]
+  if with_bias:
+    out_shape.append(jax.ShapeDtypeStruct((split_rows, n), db_dtype))
+  compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
+  body = functools.partial(
+      _gathered_dw_db_kernel, steps_per_split=steps_per_split,
+      block_sizes=block_sizes, compute_dtype=compute_dtype,
+      precision=_dot_precision(precision, x.dtype, dy.dtype))
+  outs = pl.pallas_call(
+      body,
+      grid=(pl.cdiv(n, block_sizes.block_n), pl.cdiv(d, block_sizes.block_d),
+            split_rows),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(block_sizes),
+      interpret=interpret,
+      name="sebp_gathered_dw_db",
+  )(num_selected, active_rows, x, dy)
+  dw = outs[0].sum(axis=0).astype(x.dtype)
+  db = outs[1].sum(axis=0).astype(dy.dtype) if with_bias else None
+  return dw, db
+
+
+# ---------------------------------------------------------------------------
+# Public functions.
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("block_sizes", "interpret", "precision"))
+def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
+                block_sizes: BlockSizes | None = None, interpret: bool = False,
+                precision=None) -> jax.Array:
+  """dx for the selected rows of dy, zero elsewhere.
+
+  Args:
+    dy: ``[T, N]`` output cotangent.
+    kernel: ``[D, N]`` layer weight.
+    active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
+      end with the sentinel ``T``; sentinel slots are ignored.
+    block_sizes: tiles and launch parameters; default from the measured table.
+    interpret: run the Pallas interpreter (CPU) instead of compiling.
+    precision: dot precision; ``None`` means full float32 for float32 operands.
+
+  Returns:
+    ``[T, D]`` in ``dy.dtype``: ``dy[r] @ kernel.T`` (float32 accumulation) for
+    every selected row ``r``, exactly 0 in every other row.
+  """
+  num_rows, n = dy.shape
+  d, kernel_n = kernel.shape
+  if kernel_n != n:
+    raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
+  block_sizes = block_sizes or default_block_sizes("dx", d, n)
+  block_sizes = dataclasses.replace(
+      block_sizes, block_d=_fit(block_sizes.block_d, d),
+      block_n=_fit(block_sizes.block_n, n))
+  return _gathered_dx_call(dy, kernel, active_rows, block_sizes=block_sizes,
+                           interpret=interpret, precision=precision)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("with_bias", "block_sizes", "interpret", "precision"))
+def gathered_dw_db(
+    x: jax.Array, dy: jax.Array, active_rows: jax.Array, *, with_bias: bool,
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
+    precision=None) -> tuple[jax.Array, jax.Array | None]:
+  """Weight and bias gradients accumulated over the selected rows.
+
+  Args:
+    x: ``[T, D]`` layer input.
+    dy: ``[T, N]`` output cotangent.
+    active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
+      end with the sentinel ``T``; sentinel slots contribute nothing.
+    with_bias: also return db.
+    block_sizes: tiles and launch parameters; default from the measured table.
+    interpret: run the Pallas interpreter (CPU) instead of compiling.
+    precision: dot precision; ``None`` means full float32 for float32 operands.
+
+  Returns:
+    ``(dW, db)``: ``dW = sum_r x[r].T @ dy[r]`` as ``[D, N]`` in ``x.dtype`` and
+    ``db = sum_r dy[r]`` as ``[N]`` in ``dy.dtype`` (``None`` without bias),
+    both accumulated in float32.
+  """
+  num_rows, d = x.shape
+  dy_rows, n = dy.shape
+  if dy_rows != num_rows:
+    raise ValueError(f"x {x.shape} and dy {dy.shape} disagree on T")
+  block_sizes = block_sizes or default_block_sizes("dw", d, n)
+  block_sizes = dataclasses.replace(
+      block_sizes, block_d=_fit(block_sizes.block_d, d),
+      block_n=_fit(block_sizes.block_n, n))
+  return _gathered_dw_db_call(x, dy, active_rows, with_bias=with_bias,
+                              block_sizes=block_sizes, interpret=interpret,
+                              precision=precision)
+
+
+# ---------------------------------------------------------------------------
+# jnp references (these do materialise the gathered rows).
+# ---------------------------------------------------------------------------
+
+
+def gathered_dx_reference(dy, kernel, active_rows):
+  """Reference for ``gathered_dx``: ``[T, D]`` in ``dy.dtype``."""
+  num_rows = dy.shape[0]
+  rows = dy.at[active_rows].get(mode="fill", fill_value=0)
+  dx_rows = jnp.dot(rows, kernel.T, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+  dx = jnp.zeros((num_rows, kernel.shape[0]), jnp.float32)
+  return dx.at[active_rows].set(dx_rows, mode="drop").astype(dy.dtype)
+
+
+def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool):
+  """Reference for ``gathered_dw_db``: ``(dW [D, N], db [N] or None)``."""
+  x_rows = x.at[active_rows].get(mode="fill", fill_value=0)
+  dy_rows = dy.at[active_rows].get(mode="fill", fill_value=0)
+  dw = jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST,
+               preferred_element_type=jnp.float32).astype(x.dtype)
+  db = (dy_rows.astype(jnp.float32).sum(axis=0).astype(dy.dtype)
+        if with_bias else None)
+  return dw, db

@@ -1,0 +1,64 @@
+"""``SEBPDense``: ``flax.linen.Dense`` with the SEBP backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sebp_jax.ops import sebp_linear, validate_top_n
+
+Array = jax.Array
+
+
+def resolve_top_n(top_n: int | float, num_rows: int) -> int:
+  """Turns ``top_n`` into a row count for ``num_rows`` rows of dY.
+
+  An int is a row count (of the flattened batch); a float in ``(0, 1]`` is the kept fraction,
+  rounded up, so ``0.25`` keeps a quarter of the rows. Both are static: fractions resolve from
+  array shapes, never from data.
+  """
+  if isinstance(top_n, float):
+    if not 0.0 < top_n <= 1.0:
+      raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
+    return max(1, math.ceil(top_n * num_rows))
+  return validate_top_n(top_n)
+
+
+class SEBPDense(nn.Dense):
+  """A drop-in for ``flax.linen.Dense`` whose backward keeps only the top-N rows of dY.
+
+  Same attributes, defaults, parameter names (``kernel``, ``bias``) and shapes as ``nn.Dense``,
+  so a checkpoint loads into either, and a bit-identical forward. Additional attributes:
+
+  Attributes:
+    top_n: rows of dY kept in the backward, counted over all leading dims of the input: an int,
+      or a float in (0, 1] for a kept fraction. Choose it to cover the non-padding tokens of the
+      largest batch you expect: rows beyond ``top_n`` lose their gradient.
+    threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
+    backend: ``"auto"``, ``"xla"`` or ``"pallas"``, see :func:`sebp_jax.sebp_linear`.
+  """
+
+  top_n: int | float = dataclasses.field(kw_only=True)
+  threshold: float = dataclasses.field(default=0.0, kw_only=True)
+  backend: str = dataclasses.field(default="auto", kw_only=True)
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    """Applies ``inputs @ kernel + bias`` over the last dimension of ``inputs: [..., D]``."""
+    if self.dot_general is not None or self.dot_general_cls is not None:
+      raise ValueError(
+          "SEBPDense computes its own backward and cannot use a custom dot_general / "
+          "dot_general_cls (e.g. fp8 or quantized); use flax.linen.Dense for such layers")
+    kernel = self.param('kernel', self.kernel_init, (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias else None)
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    num_rows = math.prod(jnp.shape(inputs)[:-1])
+    return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(self.top_n, num_rows),
+                       threshold=self.threshold, precision=self.precision,
+                       backend=self.backend)

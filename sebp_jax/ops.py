@@ -1,0 +1,170 @@
+"""The SEBP linear op: a dense, exact forward and a top-N-row backward.
+
+``sebp_linear(x, kernel, bias, top_n=...)`` returns ``x @ kernel + bias`` computed exactly as
+``flax.linen.Dense`` computes it. Its backward (a ``jax.custom_vjp``; JAX never differentiates
+through the kernels) flattens dY to ``[T, N]``, keeps ``top_n`` rows (see
+:mod:`sebp_jax.selection`) and computes dX, dW and db from those rows alone (see
+:mod:`sebp_jax.backends`), at ``top_n / T`` of the dense FLOPs.
+
+Why the choices:
+
+* ``top_n`` is a static Python int so that every array in the backward has a fixed shape: jit
+  compiles once, and no host round trip is needed to learn how many rows are active.
+* Residuals are the forward's own inputs (x and kernel), exactly what the dense backward keeps:
+  no extra memory beyond the ``[top_n]`` index and the ``[top_n, *]`` gathered blocks.
+* With ``top_n >= T`` nothing can be skipped, and the plain dense backward runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.dtypes import promote_dtype
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from sebp_jax.backends import BACKENDS, sparse_backward
+from sebp_jax.selection import select_active_rows
+
+Array = jax.Array
+
+#: Name given to every SEBP output with ``jax.ad_checkpoint.checkpoint_name``. A remat policy
+#: such as ``dots_saveable`` does not recognise a custom_vjp output as a dot; save SEBP outputs
+#: with ``jax.checkpoint_policies.save_only_these_names(SEBP_CHECKPOINT_NAME)`` (or combine it).
+SEBP_CHECKPOINT_NAME = "sebp_linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class SEBPConfig:
+  """The static (non-differentiable) arguments of the op; hashable for ``custom_vjp``."""
+  top_n: int
+  threshold: float
+  precision: Any
+  backend: str
+  with_bias: bool
+
+
+def validate_top_n(top_n: Any, name: str = "top_n") -> int:
+  """Returns ``top_n`` as a Python int, or raises ValueError saying what was expected."""
+  if isinstance(top_n, jax.core.Tracer):
+    raise ValueError(
+        f"{name} must be a static positive Python int, got a traced value {top_n!r}: it fixes "
+        "the shapes of the backward, so it cannot depend on data (pass it as a static argument "
+        "of jit, or compute it from array shapes).")
+  if isinstance(top_n, (bool, np.bool_)) or not isinstance(top_n, numbers.Integral):
+    raise ValueError(f"{name} must be a positive Python int, got {top_n!r} "
+                     f"of type {type(top_n).__name__}")
+  if top_n <= 0:
+    raise ValueError(f"{name} must be a positive Python int, got {top_n}")
+  return int(top_n)
+
+
+def validate_threshold(threshold: Any) -> float:
+  """Returns ``threshold`` as a Python float, or raises ValueError saying what was expected."""
+  if (isinstance(threshold, (bool, np.bool_, jax.core.Tracer))
+      or not isinstance(threshold, numbers.Real)
+      or not math.isfinite(threshold) or threshold < 0):
+    raise ValueError(f"threshold must be a finite non-negative Python float, got {threshold!r}")
+  return float(threshold)
+
+
+def _check_shapes(x: Array, kernel: Array, bias: Array | None) -> None:
+  if kernel.ndim != 2:
+    raise ValueError(f"kernel must be 2-D [in_features, out_features], got shape {kernel.shape}")
+  if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"x's last dimension must equal kernel's first: x has shape {x.shape}, "
+                     f"kernel has shape {kernel.shape}")
+  if bias is not None and bias.shape != (kernel.shape[1],):
+    raise ValueError(f"bias must have shape ({kernel.shape[1]},) to match kernel of shape "
+                     f"{kernel.shape}, got bias of shape {bias.shape}")
+
+
+def _dense_forward(x, kernel, bias, precision):
+  """``flax.linen.Dense``'s forward, op for op, so that the result is bit-identical."""
+  y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+  if bias is not None:
+    y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sebp_linear(x, kernel, bias, config: SEBPConfig):
+  return _dense_forward(x, kernel, bias, config.precision)
+
+
+def _sebp_linear_fwd(x, kernel, bias, config: SEBPConfig):
+  # Same residuals as the dense backward: the inputs, nothing more.
+  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, bias)
+
+
+def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
+  x, kernel, bias = residuals
+  num_rows = math.prod(x.shape[:-1])
+  if config.top_n >= num_rows:
+    _, dense_vjp = jax.vjp(functools.partial(_dense_forward, precision=config.precision),
+                           x, kernel, bias)
+    return dense_vjp(dy)
+  x2d = x.reshape(num_rows, x.shape[-1])
+  dy2d = dy.reshape(num_rows, dy.shape[-1])
+  active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
+  dx, dkernel, dbias = sparse_backward(
+      x2d, kernel, dy2d, active_rows, with_bias=config.with_bias,
+      precision=config.precision, backend=config.backend)
+  if dbias is not None:
+    dbias = dbias.astype(bias.dtype)
+  return dx.reshape(x.shape), dkernel, dbias
+
+
+_sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
+
+
+def resolve_backend(backend: str) -> str:
+  """Maps ``"auto"`` to a concrete backend for the current platform.
+
+  The jnp reference is the default everywhere: on CPU the Pallas kernels only run interpreted.
+  """
+  if backend == "auto":
+    return "xla"
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+  return backend
+
+
+def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: int,
+                threshold: float = 0.0, precision: Any = None, backend: str = "auto") -> Array:
+  """``x @ kernel + bias`` with a sparse, top-N-row backward.
+
+  Args:
+    x: ``[..., D]``; every leading dimension counts as rows, ``T = prod(x.shape[:-1])``.
+    kernel: ``[D, N]``.
+    bias: ``[N]`` or None.
+    top_n: how many rows of dY the backward keeps (static positive int). ``top_n >= T`` runs
+      the dense backward.
+    threshold: a row of dY is active when its max ``|value|`` exceeds this (0.0: any
+      non-zero). Rows with NaN or Inf are always active and kept first.
+    precision: ``lax.Precision`` of the forward and backward dots, as in ``nn.Dense``.
+    backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+
+  Returns:
+    ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype
+    promotion. The gradients w.r.t. x, kernel and bias keep the dtypes of the promoted primals.
+
+  Under ``jax.vmap`` the top-N applies to each mapped instance separately. The output is named
+  ``SEBP_CHECKPOINT_NAME`` for remat policies.
+  """
+  top_n = validate_top_n(top_n)
+  threshold = validate_threshold(threshold)
+  backend = resolve_backend(backend)
+  x, kernel, bias = (None if a is None else jnp.asarray(a) for a in (x, kernel, bias))
+  _check_shapes(x, kernel, bias)
+  x, kernel, bias = promote_dtype(x, kernel, bias)
+  config = SEBPConfig(top_n=top_n, threshold=threshold, precision=precision, backend=backend,
+                      with_bias=bias is not None)
+  return checkpoint_name(_sebp_linear(x, kernel, bias, config), SEBP_CHECKPOINT_NAME)

@@ -1,0 +1,74 @@
+"""Row selection: which rows of the output gradient dY a sparse backward keeps.
+
+The backward of ``y = x @ kernel + b`` only needs the rows of dY that carry signal. Selection
+turns dY, flattened to ``[T, N]``, into a static-size index set ``active_rows: int32[top_n]``:
+
+* a row is *active* when its largest ``|value|`` exceeds ``threshold`` (``0.0``: any non-zero);
+* a row holding NaN or Inf is always active and ranks first, so a broken gradient stays visible
+  instead of being dropped as "inactive";
+* when more than ``top_n`` rows are active, the ``top_n`` with the largest L2 norm are kept;
+* the kept indices are sorted ascending and padded at the end with the out-of-range sentinel
+  ``T``. Padding with a valid index (``jnp.nonzero``'s default 0) would count a row twice in dW.
+
+Cost, per layer and step, for ``T`` rows of width ``N``: one fused pass over dY (squared norm and
+max-abs together, float32 accumulation), then either an O(T) compaction (``jnp.nonzero`` with a
+static size: the common case, padding rows are exactly zero so ``#active <= top_n``) or, only when
+more rows are active than fit, an O(T log T) ``lax.top_k``. ``lax.cond`` runs one of the two.
+Under ``vmap`` the cond becomes a select and both run, which is correct but slower.
+
+Determinism: ties in norm go to the lower row index (``lax.top_k`` is stable) and the output is
+sorted, so the same dY always yields the same ``active_rows`` and the same summation order in dW.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+
+def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
+  """Scores the rows of ``dy: [T, N]``.
+
+  Returns:
+    ``(scores, active)``, both ``[T]``: ``scores`` is the float32 squared L2 norm of each row
+    (monotone in the norm, so no square root is needed to rank), ``+inf`` for a row holding NaN
+    or Inf and ``-1`` for an inactive row; ``active`` is True for a row whose max ``|value|``
+    exceeds ``threshold`` or that is not finite.
+  """
+  dy32 = dy.astype(jnp.float32)
+  squared_norm = jnp.sum(dy32 * dy32, axis=-1)
+  max_abs = jnp.max(jnp.abs(dy32), axis=-1)
+  # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
+  # squares overflow float32: it is huge, so ranking it first is right as well).
+  finite = jnp.isfinite(squared_norm)
+  active = (max_abs > threshold) | ~finite
+  scores = jnp.where(finite, squared_norm, jnp.inf)
+  scores = jnp.where(active, scores, -1.0)
+  return scores, active
+
+
+def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
+  """Picks at most ``top_n`` active rows of ``dy: [T, N]``.
+
+  Returns:
+    ``active_rows: int32[top_n]``, the kept row indices in ascending order, followed by the
+    sentinel ``T`` in every unused slot.
+  """
+  num_rows = dy.shape[0]
+  scores, active = row_scores(dy, threshold)
+
+  def compact_all_active():
+    (rows,) = jnp.nonzero(active, size=top_n, fill_value=num_rows)
+    return rows.astype(jnp.int32)
+
+  def keep_largest():
+    # Only taken when more than top_n rows are active, so every kept slot is an active row.
+    _, rows = lax.top_k(scores, top_n)
+    return jnp.sort(rows.astype(jnp.int32))
+
+  if top_n >= num_rows:
+    return compact_all_active()
+  return lax.cond(jnp.sum(active) <= top_n, compact_all_active, keep_largest)

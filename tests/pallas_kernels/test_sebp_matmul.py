@@ -1,0 +1,177 @@
+"""Tests of the gathered SEBP matmul kernels against a float64 numpy reference.
+
+On CPU the kernels run in the Pallas interpreter. With a GPU present (or
+INTERPRET=0) the same tests run compiled: see benchmarks/gpu_check.sh.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import BlockSizes
+from pallas_kernels import gathered_dw_db
+from pallas_kernels import gathered_dx
+
+INTERPRET = os.environ.get(
+    "INTERPRET", "1" if jax.default_backend() == "cpu" else "0") != "0"
+
+# Relative Frobenius error bounds: float32 must be full precision (tf32 would
+# land near 3e-4); half types are dominated by rounding the output.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+# Small tiles so that the small test shapes span several programs per axis and
+# every edge mask is exercised.
+SMALL_BLOCKS = BlockSizes(block_rows=16, block_d=16, block_n=16, split_rows=1,
+                          num_warps=2, num_stages=2)
+SPLIT_BLOCKS = BlockSizes(block_rows=16, block_d=32, block_n=16, split_rows=3,
+                          num_warps=2, num_stages=2)
+
+# (T, D, N, K slots, selected rows): odd sizes, padding, no padding, a single
+# selected row, and the all-sentinel (empty) set.
+CASES = [
+    pytest.param(37, 50, 24, 16, 10, id="odd-padded"),
+    pytest.param(64, 32, 48, 20, 20, id="unpadded"),
+    pytest.param(100, 40, 72, 48, 33, id="multi-block"),
+    pytest.param(19, 16, 17, 8, 1, id="single-row"),
+    pytest.param(40, 24, 36, 12, 0, id="empty"),
+]
+
+
+def _random(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _active_rows(rng, num_rows, num_slots, num_selected):
+  """Sorted distinct rows padded at the end with the sentinel ``num_rows``."""
+  rows = np.sort(rng.choice(num_rows, num_selected, replace=False))
+  padding = np.full(num_slots - num_selected, num_rows)
+  return jnp.asarray(np.concatenate([rows, padding]), jnp.int32), rows
+
+
+def _relative_error(actual, expected):
+  scale = max(np.linalg.norm(expected), 1e-30)
+  return np.linalg.norm(np.asarray(actual, np.float64) - expected) / scale
+
+
+def _f64(a):
+  return np.asarray(a.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
+@pytest.mark.parametrize("blocks", [SMALL_BLOCKS, None], ids=["small", "default"])
+def test_gathered_dx(num_rows, d, n, num_slots, num_selected, dtype, blocks):
+  rng = np.random.default_rng([num_rows, d, n, num_selected])
+  dy = _random(rng, (num_rows, n), dtype)
+  kernel = _random(rng, (d, n), dtype)
+  active_rows, rows = _active_rows(rng, num_rows, num_slots, num_selected)
+
+  dx = gathered_dx(dy, kernel, active_rows, block_sizes=blocks,
+                   interpret=INTERPRET)
+
+  assert dx.shape == (num_rows, d) and dx.dtype == dtype
+  dx = _f64(dx)
+  assert np.all(np.isfinite(dx))
+  inactive = np.setdiff1d(np.arange(num_rows), rows)
+  assert np.all(dx[inactive] == 0.0), "unselected rows must be exactly zero"
+  if num_selected:
+    expected = _f64(dy)[rows] @ _f64(kernel).T
+    assert _relative_error(dx[rows], expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
+@pytest.mark.parametrize("blocks,with_bias", [
+    pytest.param(SMALL_BLOCKS, True, id="small-bias"),
+    pytest.param(SPLIT_BLOCKS, True, id="split-bias"),
+    pytest.param(None, False, id="default-no-bias"),
+])
+def test_gathered_dw_db(num_rows, d, n, num_slots, num_selected, dtype, blocks,
+                        with_bias):
+  rng = np.random.default_rng([num_rows, d, n, num_selected, 1])
+  x = _random(rng, (num_rows, d), dtype)
+  dy = _random(rng, (num_rows, n), dtype)
+  active_rows, rows = _active_rows(rng, num_rows, num_slots, num_selected)
+
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=with_bias,
+                          block_sizes=blocks, interpret=INTERPRET)
+
+  assert dw.shape == (d, n) and dw.dtype == dtype
+  expected_dw = _f64(x)[rows].T @ _f64(dy)[rows]
+  expected_db = _f64(dy)[rows].sum(axis=0)
+  assert np.all(np.isfinite(_f64(dw)))
+  if with_bias:
+    assert db.shape == (n,) and db.dtype == dtype
+    assert np.all(np.isfinite(_f64(db)))
+  else:
+    assert db is None
+  if num_selected == 0:
+    assert np.all(_f64(dw) == 0.0)
+    if with_bias:
+      assert np.all(_f64(db) == 0.0)
+    return
+  assert _relative_error(dw, expected_dw) < TOLERANCE[dtype]
+  if with_bias:
+    assert _relative_error(db, expected_db) < TOLERANCE[dtype]
+
+
+def test_row_zero_counted_once():
+  """Row 0 selected plus sentinel padding: padding must not add row 0 again
+  (the bug of padding ``jnp.nonzero`` with its default index 0)."""
+  rng = np.random.default_rng(7)
+  num_rows, d, n = 24, 16, 16
+  x = _random(rng, (num_rows, d), jnp.float32)
+  dy = _random(rng, (num_rows, n), jnp.float32)
+  active_rows = jnp.asarray([0, 5, num_rows, num_rows], jnp.int32)
+
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True,
+                          block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+
+  rows = [0, 5]
+  expected_dw = _f64(x)[rows].T @ _f64(dy)[rows]
+  assert _relative_error(dw, expected_dw) < TOLERANCE[jnp.float32]
+  assert _relative_error(db, _f64(dy)[rows].sum(0)) < TOLERANCE[jnp.float32]
+
+
+def test_tf32_on_request():
+  """Full float32 by default; an explicit lower precision is passed through
+  (on GPU it gives tf32-level error, in the interpreter the same result)."""
+  rng = np.random.default_rng(3)
+  num_rows, d, n = 32, 64, 64
+  dy = _random(rng, (num_rows, n), jnp.float32)
+  kernel = _random(rng, (d, n), jnp.float32)
+  active_rows, rows = _active_rows(rng, num_rows, 16, 16)
+  expected = _f64(dy)[rows] @ _f64(kernel).T
+
+  dx = gathered_dx(dy, kernel, active_rows, block_sizes=SMALL_BLOCKS,
+                   interpret=INTERPRET, precision=jax.lax.Precision.DEFAULT)
+
+  assert _relative_error(_f64(dx)[rows], expected) < 2e-3
+
+
+@pytest.mark.skipif(INTERPRET, reason="needs a GPU with > 10 GB of memory")
+def test_offsets_beyond_int32():
+  """Rows whose element offset exceeds 2**31 (arrays over 4 GiB)."""
+  num_rows, d, n = 2**21 + 96, 1024, 64
+  key_x, key_dy, key_w = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(key_x, (num_rows, d), jnp.bfloat16)
+  dy = jax.random.normal(key_dy, (num_rows, n), jnp.bfloat16)
+  kernel = jax.random.normal(key_w, (d, n), jnp.bfloat16)
+  rows = np.asarray([3, 2**20, 2**21 + 1, num_rows - 1])
+  active_rows = jnp.asarray(np.concatenate([rows, [num_rows] * 12]), jnp.int32)
+
+  dx = gathered_dx(dy, kernel, active_rows)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True)
+
+  is_active = jnp.zeros((num_rows,), bool).at[rows].set(True)
+  assert float(jnp.sum(jnp.where(is_active[:, None], 0.0,
+                                 jnp.abs(dx.astype(jnp.float32))))) == 0.0
+  dy_rows, x_rows = _f64(dy[rows]), _f64(x[rows])
+  expected_dx = dy_rows @ _f64(kernel).T
+  assert _relative_error(_f64(dx[rows]), expected_dx) < 1e-2
+  assert _relative_error(dw, x_rows.T @ dy_rows) < 1e-2
+  assert _relative_error(db, dy_rows.sum(0)) < 1e-2

@@ -1,0 +1,42 @@
+"""An independent float64 numpy reference of the SEBP selection rule and backward.
+
+Written without any of sebp_jax's code so that tests compare two implementations.
+"""
+
+import numpy as np
+
+
+def reference_active_rows(dy, top_n, threshold=0.0):
+  """Sorted indices of the rows kept by SEBP's rule, computed in float64 (at most top_n)."""
+  dy = np.asarray(dy, np.float64)
+  with np.errstate(over="ignore", invalid="ignore"):
+    squared_norm = (dy * dy).sum(axis=1)
+    max_abs = np.abs(dy).max(axis=1) if dy.shape[1] else np.zeros(len(dy))
+  finite = np.isfinite(squared_norm)
+  active = np.flatnonzero((max_abs > threshold) | ~finite)
+  rank_key = np.where(finite[active], squared_norm[active], np.inf)
+  # Largest norm first; ties to the lower index (stable sort on the negated key).
+  order = np.argsort(-rank_key, kind="stable")
+  return np.sort(active[order[:top_n]])
+
+
+def reference_backward(x, kernel, dy, rows):
+  """(dx, dkernel, dbias) in float64 from the rows `rows` of dy only; x/dy are [T, F]."""
+  x, kernel, dy = (np.asarray(a, np.float64) for a in (x, kernel, dy))
+  dx = np.zeros(x.shape)
+  dx[rows] = dy[rows] @ kernel.T
+  return dx, x[rows].T @ dy[rows], dy[rows].sum(axis=0)
+
+
+def random_sparse_rows(rng, num_rows, width, num_nonzero, dtype=np.float32):
+  """[num_rows, width] normal data with all but `num_nonzero` random rows exactly zero."""
+  dy = rng.standard_normal((num_rows, width)).astype(dtype)
+  zero_rows = rng.permutation(num_rows)[num_nonzero:]
+  dy[zero_rows] = 0
+  return dy
+
+
+def relative_error(actual, expected):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  denom = np.linalg.norm(expected)
+  return np.linalg.norm(actual - expected) / (denom if denom else 1.0)

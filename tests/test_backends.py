@@ -1,0 +1,72 @@
+"""Every backend of the sparse backward against the float64 numpy reference.
+
+Written once for all backends; the Pallas backend runs interpreted on CPU and through Triton on
+a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reference import random_sparse_rows, reference_backward, relative_error
+from sebp_jax import select_active_rows, sparse_backward
+
+BACKENDS = ["xla", "pallas"]
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+
+
+def _run(backend, x, kernel, dy, active_rows, with_bias=True):
+  fn = jax.jit(lambda *a: sparse_backward(*a, with_bias=with_bias, backend=backend))
+  return fn(x, kernel, dy, active_rows)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("num_rows,in_features,out_features,num_nonzero,top_n", [
+    (64, 32, 48, 10, 16),   # padded slots: fewer active rows than top_n
+    (37, 50, 24, 30, 12),   # more active rows than top_n; odd sizes
+    (40, 16, 16, 0, 8),     # no active row at all
+])
+def test_matches_float64_reference(backend, dtype, num_rows, in_features, out_features,
+                                   num_nonzero, top_n):
+  rng = np.random.default_rng(num_rows + top_n)
+  x = rng.standard_normal((num_rows, in_features)).astype(np.float32)
+  kernel = rng.standard_normal((in_features, out_features)).astype(np.float32)
+  dy = random_sparse_rows(rng, num_rows, out_features, num_nonzero)
+  x, kernel, dy = (jnp.asarray(a, dtype) for a in (x, kernel, dy))
+  active_rows = select_active_rows(dy, top_n)
+  dx, dkernel, dbias = _run(backend, x, kernel, dy, active_rows)
+  assert (dx.dtype, dkernel.dtype, dbias.dtype) == (dtype, dtype, dtype)
+  assert (dx.shape, dkernel.shape, dbias.shape) == (
+      (num_rows, in_features), (in_features, out_features), (out_features,))
+
+  rows = np.asarray(active_rows)[np.asarray(active_rows) < num_rows]
+  expected = reference_backward(x, kernel, dy, rows)
+  for actual, want in zip((dx, dkernel, dbias), expected):
+    assert np.all(np.isfinite(np.asarray(actual, np.float64)))
+    assert relative_error(actual, want) <= TOLERANCE[dtype]
+  # Every row that was not kept is exactly zero in dX (and was written: no garbage, no NaN).
+  dropped = np.setdiff1d(np.arange(num_rows), rows)
+  assert np.all(np.asarray(dx, np.float64)[dropped] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_bias(backend):
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+  dy = jnp.asarray(random_sparse_rows(rng, 24, 32, 6))
+  dx, dkernel, dbias = _run(backend, x, kernel, dy, select_active_rows(dy, 8), with_bias=False)
+  assert dbias is None
+  rows = np.flatnonzero(np.asarray(dy).any(axis=1))
+  expected_dx, expected_dkernel, _ = reference_backward(x, kernel, dy, rows)
+  assert relative_error(dx, expected_dx) <= 1e-5
+  assert relative_error(dkernel, expected_dkernel) <= 1e-5
+
+
+def test_unknown_backend_is_rejected():
+  x = jnp.ones((4, 2))
+  with pytest.raises(ValueError, match="backend"):
+    sparse_backward(x, jnp.ones((2, 3)), jnp.ones((4, 3)), jnp.arange(2), with_bias=False,
+                    backend="cuda")

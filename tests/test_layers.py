@@ -1,0 +1,143 @@
+"""`SEBPDense` as a drop-in for `flax.linen.Dense` inside Flax models."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sebp_jax import SEBPDense, resolve_top_n
+
+
+def test_has_every_dense_attribute_with_the_same_defaults():
+  dense_fields = {f.name: f for f in dataclasses.fields(nn.Dense)}
+  sebp_fields = {f.name: f for f in dataclasses.fields(SEBPDense)}
+  for name, field in dense_fields.items():
+    assert name in sebp_fields
+    assert sebp_fields[name].default == field.default
+  assert {"top_n", "threshold", "backend"} <= set(sebp_fields)
+
+
+@pytest.mark.parametrize("dtype,param_dtype", [
+    (None, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float16)])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_forward_is_bit_identical_and_params_interchange(dtype, param_dtype, use_bias):
+  x = jax.random.normal(jax.random.key(0), (3, 7, 20))
+  dense = nn.Dense(9, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype)
+  sebp = SEBPDense(9, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, top_n=5)
+  params = dense.init(jax.random.key(1), x)
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, sebp.init(
+      jax.random.key(1), x))
+  for apply in (lambda m: m.apply(params, x), lambda m: jax.jit(m.apply)(params, x)):
+    want, got = apply(dense), apply(sebp)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+class Classifier(nn.Module):
+  """Token features -> two linear layers -> masked mean-pool -> logits; padding is masked."""
+  dense_cls: type = nn.Dense
+  top_n: int | float = 1.0
+
+  def _dense(self, features, name):
+    if self.dense_cls is SEBPDense:
+      return SEBPDense(features, top_n=self.top_n, name=name)
+    return nn.Dense(features, name=name)
+
+  @nn.compact
+  def __call__(self, tokens, mask):
+    h = nn.gelu(self._dense(32, "up")(tokens))
+    h = self._dense(16, "down")(h)
+    pooled = jnp.sum(h * mask[..., None], axis=1) / jnp.sum(mask, axis=1, keepdims=True)
+    return nn.Dense(2, name="head")(pooled)
+
+
+def _classifier_data(seed=0, batch=4, length=12, features=8):
+  rng = np.random.default_rng(seed)
+  tokens = rng.standard_normal((batch, length, features)).astype(np.float32)
+  lengths = rng.integers(1, length // 2, size=batch)
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.float32)
+  labels = rng.integers(0, 2, size=batch)
+  return tokens, mask, labels, int(lengths.sum())
+
+
+def test_gradients_equal_dense_in_a_masked_model():
+  tokens, mask, labels, num_real = _classifier_data()
+  params = Classifier().init(jax.random.key(0), tokens, mask)
+
+  def loss(params, model):
+    logits = model.apply(params, tokens, mask)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  want = jax.grad(loss)(params, Classifier())
+  got = jax.jit(jax.grad(loss), static_argnums=1)(
+      params, Classifier(dense_cls=SEBPDense, top_n=num_real))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
+  # Sanity: the padding rows really are zero in dY, so a smaller top_n must change something.
+  fewer = jax.grad(loss)(params, Classifier(dense_cls=SEBPDense, top_n=num_real - 1))
+  assert not np.allclose(fewer["params"]["up"]["kernel"], want["params"]["up"]["kernel"])
+
+
+class ResidualLayer(nn.Module):
+  """h + tanh(Dense(h)), in the (carry, x) -> (carry, y) form that `nn.scan` expects."""
+  dense_cls: type = nn.Dense
+  top_n: int = 1
+
+  @nn.compact
+  def __call__(self, h, _):
+    kwargs = {"top_n": self.top_n} if self.dense_cls is SEBPDense else {}
+    return h + nn.tanh(self.dense_cls(h.shape[-1], name="dense", **kwargs)(h)), None
+
+
+class ScannedStack(nn.Module):
+  """`num_layers` residual linear layers under `nn.scan` (and optionally `nn.remat`)."""
+  dense_cls: type = nn.Dense
+  top_n: int = 1
+  remat: bool = False
+  num_layers: int = 3
+
+  @nn.compact
+  def __call__(self, h):
+    layer = nn.remat(ResidualLayer) if self.remat else ResidualLayer
+    scanned = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=self.num_layers)
+    h, _ = scanned(self.dense_cls, self.top_n, name="layers")(h, None)
+    return h
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_and_remat_over_layers(remat):
+  tokens, mask, _, num_real = _classifier_data(seed=1)
+  params = ScannedStack(remat=remat).init(jax.random.key(2), tokens)
+
+  def loss(params, model):
+    h = model.apply(params, tokens)
+    return jnp.sum(jnp.sum(h, -1) * mask)  # padding positions carry no loss
+
+  want = jax.grad(loss)(params, ScannedStack(remat=remat))
+  got = jax.jit(jax.grad(loss), static_argnums=1)(
+      params, ScannedStack(dense_cls=SEBPDense, top_n=num_real, remat=remat))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+def test_kept_fraction():
+  assert resolve_top_n(0.25, 10) == 3
+  assert resolve_top_n(1.0, 10) == 10
+  assert resolve_top_n(7, 10) == 7
+  with pytest.raises(ValueError, match="kept fraction"):
+    resolve_top_n(1.5, 10)
+  x = jnp.ones((2, 4, 3))
+  layer = SEBPDense(2, top_n=0.5)
+  params = layer.init(jax.random.key(0), x)
+  assert layer.apply(params, x).shape == (2, 4, 2)
+
+
+def test_top_n_is_required_and_custom_dot_general_is_rejected():
+  with pytest.raises(TypeError, match="top_n"):
+    SEBPDense(4)
+  layer = SEBPDense(4, top_n=2, dot_general=jax.lax.dot_general)
+  with pytest.raises(ValueError, match="dot_general"):
+    layer.init(jax.random.key(0), jnp.ones((2, 3)))

@@ -1,0 +1,241 @@
+"""`sebp_linear`: gradients against `jax.grad` of the dense function and the numpy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.ad_checkpoint import print_saved_residuals
+
+from reference import (random_sparse_rows, reference_active_rows, reference_backward,
+                       relative_error)
+from sebp_jax import SEBP_CHECKPOINT_NAME, sebp_linear
+
+
+def dense_linear(x, kernel, bias=None):
+  y = x @ kernel
+  return y if bias is None else y + bias
+
+
+def _problem(rng, lead_shape, in_features, out_features, num_nonzero, dtype=np.float32):
+  """x, kernel, bias and an upstream gradient g with only `num_nonzero` non-zero rows."""
+  num_rows = int(np.prod(lead_shape))
+  x = rng.standard_normal((*lead_shape, in_features)).astype(dtype)
+  kernel = rng.standard_normal((in_features, out_features)).astype(dtype)
+  bias = rng.standard_normal(out_features).astype(dtype)
+  g = random_sparse_rows(rng, num_rows, out_features, num_nonzero, dtype)
+  return x, kernel, bias, g.reshape(*lead_shape, out_features)
+
+
+def _grads(fn, x, kernel, bias, g, **kwargs):
+  """Gradients of <fn(x, kernel, bias), g> w.r.t. all three, under jit."""
+  loss = lambda x, k, b: jnp.sum(fn(x, k, b, **kwargs) * g)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, bias)
+
+
+@pytest.mark.parametrize("lead_shape", [(24,), (3, 8), (2, 3, 5)])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_exact_when_top_n_covers_nonzero_rows(lead_shape, use_bias):
+  rng = np.random.default_rng(sum(lead_shape))
+  num_rows = int(np.prod(lead_shape))
+  x, kernel, bias, g = _problem(rng, lead_shape, 16, 12, num_nonzero=num_rows // 3)
+  bias = bias if use_bias else None
+
+  def sebp(x, k, b):
+    return sebp_linear(x, k, b, top_n=num_rows // 3)
+
+  def loss(fn):
+    return lambda x, k, b: jnp.sum(fn(x, k, b) * g)
+
+  want = jax.grad(loss(dense_linear), argnums=(0, 1) + ((2,) if use_bias else ()))(
+      x, kernel, bias)
+  got = jax.jit(jax.grad(loss(sebp), argnums=(0, 1) + ((2,) if use_bias else ())))(
+      x, kernel, bias)
+  for a, b in zip(got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_exact():
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(3)
+    x, kernel, bias, g = _problem(rng, (4, 10), 9, 7, num_nonzero=15, dtype=np.float64)
+    got = _grads(sebp_linear, x, kernel, bias, g, top_n=15)
+    want = _grads(dense_linear, x, kernel, bias, g)
+    for a, b in zip(got, want):
+      assert a.dtype == jnp.float64
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_top_n_below_nonzero_rows_matches_reference_and_drops_the_rest():
+  rng = np.random.default_rng(4)
+  x, kernel, bias, g = _problem(rng, (6, 8), 20, 10, num_nonzero=30)
+  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=11)
+  x2d, g2d = x.reshape(48, 20), g.reshape(48, 10)
+  kept = reference_active_rows(g2d, 11)
+  assert len(kept) == 11
+  ref_dx, ref_dkernel, ref_dbias = reference_backward(x2d, kernel, g2d, kept)
+  np.testing.assert_allclose(dx.reshape(48, 20), ref_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dkernel, ref_dkernel, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dbias, ref_dbias, rtol=1e-5, atol=1e-5)
+  # What is missing from the dense gradient is exactly the dropped rows' contribution.
+  dense = _grads(dense_linear, x, kernel, bias, g)
+  dropped = np.setdiff1d(np.flatnonzero(g2d.any(axis=1)), kept)
+  _, dropped_dkernel, dropped_dbias = reference_backward(x2d, kernel, g2d, dropped)
+  np.testing.assert_allclose(dense[1] - dkernel, dropped_dkernel, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(dense[2] - dbias, dropped_dbias, rtol=1e-4, atol=1e-4)
+
+
+def test_top_n_at_least_rows_is_the_dense_backward():
+  rng = np.random.default_rng(5)
+  x, kernel, bias, g = _problem(rng, (3, 4), 5, 6, num_nonzero=12)
+  got = _grads(sebp_linear, x, kernel, bias, g, top_n=100)
+  want = _grads(dense_linear, x, kernel, bias, g)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+def test_low_precision_dtypes(dtype, tolerance):
+  rng = np.random.default_rng(6)
+  x, kernel, bias, g = _problem(rng, (4, 16), 32, 24, num_nonzero=20)
+  args = [jnp.asarray(a, dtype) for a in (x, kernel, bias, g)]
+  grads = _grads(sebp_linear, *args, top_n=24)
+  # JAX would silently accept a float32 cotangent for a low-precision primal: check the dtypes.
+  assert [a.dtype for a in grads] == [dtype] * 3
+  x64, k64, g64 = (np.asarray(a, np.float64) for a in (args[0], args[1], args[3]))
+  rows = np.flatnonzero(g64.reshape(64, 24).any(axis=1))
+  expected = reference_backward(x64.reshape(64, 32), k64, g64.reshape(64, 24), rows)
+  assert relative_error(grads[0].reshape(64, 32), expected[0]) <= tolerance
+  assert relative_error(grads[1], expected[1]) <= tolerance
+  assert relative_error(grads[2], expected[2]) <= tolerance
+
+
+def test_mixed_dtypes_promote_like_flax_dense():
+  x = jnp.ones((4, 3), jnp.bfloat16)
+  kernel = jnp.ones((3, 2), jnp.float32)
+  y = sebp_linear(x, kernel, top_n=2)
+  assert y.dtype == jnp.float32
+  dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_linear(x, k, top_n=2)), (0, 1))(x, kernel)
+  assert dx.dtype == jnp.bfloat16 and dkernel.dtype == jnp.float32
+
+
+def test_nan_in_a_padding_row_stays_visible():
+  rng = np.random.default_rng(8)
+  x, kernel, bias, g = _problem(rng, (2, 8), 6, 5, num_nonzero=4)
+  g2d = g.reshape(16, 5)
+  padding_row = int(np.flatnonzero(~g2d.any(axis=1))[0])
+  g2d[padding_row, 2] = np.nan
+  grads = _grads(sebp_linear, x, kernel, bias, g2d.reshape(g.shape), top_n=4)
+  assert np.isnan(np.asarray(grads[0]).reshape(16, 6)[padding_row]).all()
+  assert np.isnan(np.asarray(grads[1])[:, 2]).all()
+  assert np.isnan(np.asarray(grads[2])[2])
+
+
+def test_vmap_applies_top_n_per_instance():
+  rng = np.random.default_rng(9)
+  xs = rng.standard_normal((3, 10, 4)).astype(np.float32)
+  kernel = rng.standard_normal((4, 5)).astype(np.float32)
+  gs = rng.standard_normal((3, 10, 5)).astype(np.float32)
+  grad_one = jax.grad(lambda x, k, g: jnp.sum(sebp_linear(x, k, top_n=3) * g), argnums=(0, 1))
+  batched = jax.jit(jax.vmap(grad_one, in_axes=(0, None, 0)))(xs, kernel, gs)
+  for i in range(3):
+    rows = reference_active_rows(gs[i], 3)
+    ref_dx, ref_dkernel, _ = reference_backward(xs[i], kernel, gs[i], rows)
+    np.testing.assert_allclose(batched[0][i], ref_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batched[1][i], ref_dkernel, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_name_lets_remat_save_the_output(capsys):
+  rng = np.random.default_rng(10)
+  x, kernel, bias, g = _problem(rng, (8,), 6, 4, num_nonzero=5)
+
+  def f(x, k):
+    return jnp.sum(jnp.tanh(sebp_linear(x, k, top_n=5)) * g)
+
+  saving = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(
+      SEBP_CHECKPOINT_NAME))
+  print_saved_residuals(saving, x, kernel)
+  assert f"named '{SEBP_CHECKPOINT_NAME}'" in capsys.readouterr().out
+  print_saved_residuals(jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable),
+                        x, kernel)
+  assert f"named '{SEBP_CHECKPOINT_NAME}'" not in capsys.readouterr().out
+  for fn in (saving, jax.checkpoint(f)):
+    got = jax.jit(jax.grad(fn, argnums=(0, 1)))(x, kernel)
+    want = jax.grad(lambda x, k: jnp.sum(jnp.tanh(x @ k) * g), argnums=(0, 1))(x, kernel)
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_optax_update_matches_dense():
+  rng = np.random.default_rng(11)
+  x, kernel, bias, g = _problem(rng, (4, 6), 8, 3, num_nonzero=10)
+  optimizer = optax.adamw(1e-2)
+  params = {"kernel": jnp.asarray(kernel), "bias": jnp.asarray(bias)}
+
+  def step(linear, **kwargs):
+    loss = lambda p: jnp.sum(linear(x, p["kernel"], p["bias"], **kwargs) * g)
+    grads = jax.grad(loss)(params)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  got, want = step(sebp_linear, top_n=10), step(dense_linear)
+  for name in params:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(got[name], params[name])
+
+
+@pytest.mark.parametrize("top_n,match", [
+    (0, "top_n must be a positive"), (-3, "top_n must be a positive"),
+    (2.5, "top_n must be a positive"), (True, "top_n must be a positive"),
+    ("4", "top_n must be a positive")])
+def test_bad_top_n(top_n, match):
+  with pytest.raises(ValueError, match=match):
+    sebp_linear(jnp.ones((4, 3)), jnp.ones((3, 2)), top_n=top_n)
+
+
+def test_traced_top_n_is_rejected():
+  with pytest.raises(ValueError, match="top_n must be a static"):
+    jax.jit(lambda x, n: sebp_linear(x, jnp.ones((3, 2)), top_n=n))(jnp.ones((4, 3)), 2)
+
+
+@pytest.mark.parametrize("threshold", [-1.0, float("nan"), float("inf"), "0.1", True])
+def test_bad_threshold(threshold):
+  with pytest.raises(ValueError, match="threshold must be"):
+    sebp_linear(jnp.ones((4, 3)), jnp.ones((3, 2)), top_n=2, threshold=threshold)
+
+
+@pytest.mark.parametrize("x_shape,kernel_shape,bias_shape,match", [
+    ((4, 3), (5, 2), None, r"x has shape \(4, 3\), kernel has shape \(5, 2\)"),
+    ((4, 3), (3, 2, 1), None, r"kernel must be 2-D.*\(3, 2, 1\)"),
+    ((4, 3), (3, 2), (3,), r"bias must have shape \(2,\).*\(3,\)"),
+])
+def test_shape_errors_name_both_shapes(x_shape, kernel_shape, bias_shape, match):
+  bias = None if bias_shape is None else jnp.ones(bias_shape)
+  with pytest.raises(ValueError, match=match):
+    sebp_linear(jnp.ones(x_shape), jnp.ones(kernel_shape), bias, top_n=2)
+
+
+def test_unknown_backend():
+  with pytest.raises(ValueError, match="backend must be"):
+    sebp_linear(jnp.ones((4, 3)), jnp.ones((3, 2)), top_n=2, backend="triton")
+
+
+@settings(max_examples=20, deadline=None)
+@given(lead=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       in_features=st.integers(1, 9), out_features=st.integers(1, 9), data=st.data())
+def test_property_gradients_match_reference(lead, in_features, out_features, data):
+  num_rows = int(np.prod(lead))
+  top_n = data.draw(st.integers(1, num_rows + 2), label="top_n")
+  num_nonzero = data.draw(st.integers(0, num_rows), label="num_nonzero")
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+  x, kernel, bias, g = _problem(rng, tuple(lead), in_features, out_features, num_nonzero)
+  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=top_n)
+  g2d = g.reshape(num_rows, out_features)
+  rows = (np.flatnonzero(g2d.any(axis=1)) if top_n >= num_rows
+          else reference_active_rows(g2d, top_n))
+  ref = reference_backward(x.reshape(num_rows, in_features), kernel, g2d, rows)
+  np.testing.assert_allclose(dx.reshape(num_rows, in_features), ref[0], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dkernel, ref[1], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dbias, ref[2], rtol=1e-4, atol=1e-5)

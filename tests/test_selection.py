@@ -1,0 +1,73 @@
+"""Row selection against the float64 numpy rule in tests/reference.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from reference import random_sparse_rows, reference_active_rows
+from sebp_jax import row_scores, select_active_rows
+
+
+def _kept(active_rows, num_rows):
+  active_rows = np.asarray(active_rows)
+  return active_rows[active_rows < num_rows]
+
+
+@pytest.mark.parametrize("num_nonzero,top_n", [(5, 8), (8, 8), (20, 8), (0, 4), (37, 40)])
+def test_matches_reference_rule(num_nonzero, top_n):
+  rng = np.random.default_rng(num_nonzero * 100 + top_n)
+  dy = random_sparse_rows(rng, 37, 12, num_nonzero)
+  active_rows = jax.jit(select_active_rows, static_argnums=1)(jnp.asarray(dy), top_n)
+  assert active_rows.shape == (top_n,) and active_rows.dtype == jnp.int32
+  np.testing.assert_array_equal(_kept(active_rows, 37), reference_active_rows(dy, top_n))
+  # Sorted, and every unused slot holds the out-of-range sentinel T (never a valid row).
+  assert np.all(np.diff(np.asarray(active_rows)) >= 0)
+  num_kept = min(num_nonzero, top_n)
+  np.testing.assert_array_equal(np.asarray(active_rows)[num_kept:], 37)
+
+
+def test_threshold_counts_small_rows_as_zero():
+  rng = np.random.default_rng(1)
+  dy = rng.standard_normal((16, 8)).astype(np.float32)
+  dy[::2] *= 1e-6  # noise rows, below the threshold
+  active_rows = select_active_rows(jnp.asarray(dy), 16, threshold=1e-3)
+  np.testing.assert_array_equal(_kept(active_rows, 16), np.arange(1, 16, 2))
+  np.testing.assert_array_equal(_kept(active_rows, 16),
+                                reference_active_rows(dy, 16, threshold=1e-3))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rows_are_active_and_rank_first(bad):
+  rng = np.random.default_rng(2)
+  dy = random_sparse_rows(rng, 32, 8, 20)
+  zero_row = int(np.flatnonzero(~dy.any(axis=1))[0])
+  dy[zero_row, 3] = bad  # a "padding" row that carries a broken gradient
+  active_rows = select_active_rows(jnp.asarray(dy), 4)
+  assert zero_row in _kept(active_rows, 32)
+  np.testing.assert_array_equal(_kept(active_rows, 32), reference_active_rows(dy, 4))
+
+
+def test_scores():
+  dy = jnp.array([[3.0, 4.0], [0.0, 0.0], [jnp.nan, 0.0], [0.0, 1e-4]])
+  scores, active = row_scores(dy, threshold=1e-3)
+  np.testing.assert_array_equal(active, [True, False, True, False])
+  np.testing.assert_allclose(scores, [25.0, -1.0, np.inf, -1.0])
+
+
+def test_ties_go_to_the_lower_index():
+  dy = jnp.ones((10, 4))
+  np.testing.assert_array_equal(select_active_rows(dy, 3), [0, 1, 2])
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_rows=st.integers(1, 48), width=st.integers(1, 9), data=st.data())
+def test_property_matches_reference(num_rows, width, data):
+  top_n = data.draw(st.integers(1, num_rows + 3), label="top_n")
+  num_nonzero = data.draw(st.integers(0, num_rows), label="num_nonzero")
+  seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+  dy = random_sparse_rows(np.random.default_rng(seed), num_rows, width, num_nonzero)
+  active_rows = select_active_rows(jnp.asarray(dy), top_n)
+  np.testing.assert_array_equal(_kept(active_rows, num_rows), reference_active_rows(dy, top_n))
+  assert np.all(np.asarray(active_rows)[len(_kept(active_rows, num_rows)):] == num_rows)
