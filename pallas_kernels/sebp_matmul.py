@@ -68,29 +68,45 @@ class BlockSizes:
       raise ValueError(f"split_rows={self.split_rows} must be >= 1")
 
 
-# Defaults measured on an H100 (bf16, T=16384, 20% of rows kept; see
-# benchmarks/RESULTS.md), keyed by shape class. Wide = the output tile axis
-# (D for dx, D * N for dW) is large enough to fill the GPU without splitting.
-_DX_DEFAULTS = {
-    "small": BlockSizes(block_rows=64, block_d=128, block_n=64,
-                        num_warps=4, num_stages=3),
-    "large": BlockSizes(block_rows=128, block_d=128, block_n=64,
-                        num_warps=8, num_stages=3),
-}
-_DW_DEFAULTS = {
-    "small": BlockSizes(block_rows=64, block_d=128, block_n=128, split_rows=4,
-                        num_warps=4, num_stages=3),
-    "large": BlockSizes(block_rows=64, block_d=128, block_n=128,
-                        num_warps=8, num_stages=3),
-}
+# Defaults measured on an NVIDIA H200 with jax 0.11.2 (bf16, T=16384, 20% of
+# rows kept, bert-base and Llama-3.2 layer shapes; benchmarks/tune_blocks.py,
+# results in benchmarks/RESULTS.md). dx is keyed by its reduction length N:
+# long reductions amortise a wide tile. dW is keyed by its tile count D * N:
+# small layers split the row reduction to occupy every SM.
+_DX_DEFAULTS = (  # (smallest N, blocks)
+    (2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
+                      num_warps=8, num_stages=3)),
+    (0, BlockSizes(block_rows=128, block_d=128, block_n=32,
+                   num_warps=4, num_stages=5)),
+)
+_DW_DEFAULTS = (  # (smallest D * N, blocks)
+    (2**24, BlockSizes(block_rows=64, block_d=128, block_n=128,
+                       num_warps=8, num_stages=4)),
+    (2**22, BlockSizes(block_rows=64, block_d=128, block_n=128,
+                       num_warps=4, num_stages=3)),
+    (0, BlockSizes(block_rows=64, block_d=64, block_n=128, split_rows=4,
+                   num_warps=4, num_stages=4)),
+)
 
 
-def default_block_sizes(kernel: str, d: int, n: int) -> BlockSizes:
-  """Measured default tiles for ``kernel`` ("dx" or "dw") at ``D=d, N=n``."""
+def default_block_sizes(kernel: str, d: int, n: int,
+                        dtype=jnp.bfloat16) -> BlockSizes:
+  """Measured default tiles for ``kernel`` ("dx" or "dw") at ``D=d, N=n``.
+
+  The table is for 2-byte operands; for 4-byte ones the reduction step is
+  halved so the pipelined shared-memory buffers stay within an sm_80's
+  164 KiB.
+  """
+  wide = jnp.dtype(dtype).itemsize > 2
   if kernel == "dx":
-    return _DX_DEFAULTS["large" if d >= 2048 else "small"]
+    blocks = next(b for min_n, b in _DX_DEFAULTS if n >= min_n)
+    return (dataclasses.replace(blocks, block_n=max(16, blocks.block_n // 2))
+            if wide else blocks)
   if kernel == "dw":
-    return _DW_DEFAULTS["large" if d * n >= 2048 * 2048 else "small"]
+    blocks = next(b for min_size, b in _DW_DEFAULTS if d * n >= min_size)
+    return (dataclasses.replace(blocks,
+                                block_rows=max(16, blocks.block_rows // 2))
+            if wide else blocks)
   raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -119,9 +135,36 @@ def _dot_f32(a, b, *, contract_a: int, contract_b: int, precision):
 # ---------------------------------------------------------------------------
 
 
+def _load_rows(active_rows_ref, first, count: int, sentinel: int):
+  """``active_rows[first : first + count]``, the sentinel past slot K - 1."""
+  idx = first + jnp.arange(count)
+  return plgpu.load(active_rows_ref.at[idx],
+                    mask=idx < active_rows_ref.shape[0], other=sentinel)
+
+
+def _lower_bound(active_rows_ref, values):
+  """Per value (scalar or vector), the first slot of the sorted
+  ``active_rows`` holding a row >= it (K if none).
+
+  A branch-free binary search (bit_length(K) steps of one gather each), so
+  neither a row mask nor the count of selected rows has to be made by
+  separate XLA ops before the launch.
+  """
+  num_slots = active_rows_ref.shape[0]
+  lo = jnp.zeros_like(values)
+  hi = jnp.full_like(values, num_slots)
+  for _ in range(num_slots.bit_length()):
+    mid = (lo + hi) // 2
+    at_mid = plgpu.load(active_rows_ref.at[jnp.minimum(mid, num_slots - 1)])
+    searching = lo < hi
+    go_right = searching & (at_mid < values)
+    lo = jnp.where(go_right, mid + 1, lo)
+    hi = jnp.where(searching & ~go_right, mid, hi)
+  return lo
+
+
 def _gathered_dx_kernel(
-    active_rows_ref,  # int32[K_pad], K_pad a multiple of block_rows
-    is_active_ref,  # int32[T]: 1 where the row is selected
+    active_rows_ref,  # int32[K], K >= 1
     dy_ref,  # [T, N]
     kernel_ref,  # [D, N]
     dx_ref,  # [T, D] (output)
@@ -129,25 +172,26 @@ def _gathered_dx_kernel(
     precision):
   num_rows, n = dy_ref.shape
   d = kernel_ref.shape[0]
+  num_slots = active_rows_ref.shape[0]
   block_rows, block_d, block_n = (
       block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
-  d_block = pl.program_id(0)
-  row_block = pl.program_id(1)
+  d_block, row_block = pl.program_id(0), pl.program_id(1)
   d_idx = d_block * block_d + jnp.arange(block_d)
   d_in = d_idx < d
 
   # Programs [0, num_compute_blocks) compute the selected rows; the rest write
   # zeros to the unselected rows, so dx is produced by one launch with no
   # zero-filled buffer written first.
-  first_row = active_rows_ref[jnp.minimum(row_block, num_compute_blocks - 1)
-                              * block_rows]
+  first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
+                                          num_slots - 1)]
 
   # Rows are sorted with sentinels last, so a block is all padding iff its
   # first row is the sentinel: skip the whole N loop.
   @pl.when(jnp.logical_and(row_block < num_compute_blocks,
                            first_row < num_rows))
   def _compute():
-    rows = active_rows_ref[pl.ds(row_block * block_rows, block_rows)]
+    rows = _load_rows(active_rows_ref, row_block * block_rows, block_rows,
+                      sentinel=num_rows)
     row_in = rows < num_rows
 
     def body(n_step, acc):
@@ -173,29 +217,31 @@ def _gathered_dx_kernel(
   def _zero_fill():
     rows = (row_block - num_compute_blocks) * block_rows + jnp.arange(
         block_rows)
-    row_in = rows < num_rows
-    selected = plgpu.load(is_active_ref.at[rows], mask=row_in, other=1)
+    slot = _lower_bound(active_rows_ref, rows)
+    at_slot = plgpu.load(
+        active_rows_ref.at[jnp.minimum(slot, num_slots - 1)])
+    unselected = (rows < num_rows) & ((slot >= num_slots) | (at_slot != rows))
     plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
                 jnp.zeros((block_rows, block_d), dx_ref.dtype),
-                mask=(selected == 0)[:, None] & d_in[None, :])
+                mask=unselected[:, None] & d_in[None, :])
 
 
 def _gathered_dw_db_kernel(
-    num_selected_ref,  # int32[1]: number of non-sentinel entries
-    active_rows_ref,  # int32[K_pad]
+    active_rows_ref,  # int32[K], K >= 1
     x_ref,  # [T, D]
     dy_ref,  # [T, N]
     dw_ref,  # [split_rows, D, N] (output)
     *db_refs,  # ([split_rows, N] output,) with bias, () without
-    steps_per_split: int, block_sizes: BlockSizes, compute_dtype,
-    precision):
+    d_fastest: bool, steps_per_split: int, block_sizes: BlockSizes,
+    compute_dtype, precision):
   num_rows, d = x_ref.shape
   n = dy_ref.shape[1]
   db_ref = db_refs[0] if db_refs else None
   block_rows, block_d, block_n = (
       block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
-  n_block = pl.program_id(0)
-  d_block = pl.program_id(1)
+  d_block, n_block = pl.program_id(0), pl.program_id(1)
+  if not d_fastest:
+    d_block, n_block = n_block, d_block
   split = pl.program_id(2)
   d_idx = d_block * block_d + jnp.arange(block_d)
   n_idx = n_block * block_n + jnp.arange(block_n)
@@ -203,14 +249,16 @@ def _gathered_dw_db_kernel(
   n_in = n_idx < n
 
   # Only steps holding at least one selected row do work: padding at the end
-  # of active_rows costs nothing.
-  num_steps = pl.cdiv(num_selected_ref[0], block_rows)
+  # of active_rows costs nothing. The sentinel's slot is the selected count.
+  num_selected = _lower_bound(active_rows_ref, jnp.int32(num_rows))
+  num_steps = pl.cdiv(num_selected, block_rows)
   first_step = split * steps_per_split
   last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
   def body(step, carry, *, with_db: bool):
     dw_acc, db_acc = carry
-    rows = active_rows_ref[pl.ds(step * block_rows, block_rows)]
+    rows = _load_rows(active_rows_ref, step * block_rows, block_rows,
+                      sentinel=num_rows)
     row_in = rows < num_rows
     x_tile = plgpu.load(
         x_ref.at[rows[:, None], d_idx[None, :]],
@@ -255,14 +303,13 @@ def _gathered_dw_db_kernel(
 # ---------------------------------------------------------------------------
 
 
-def _pad_active_rows(active_rows: jax.Array, num_rows: int,
-                     block_rows: int) -> jax.Array:
-  """Pads ``active_rows`` with the sentinel to a non-zero multiple of
-  ``block_rows``, so every program reads a full block of indices."""
-  k = active_rows.shape[0]
-  k_pad = max(1, pl.cdiv(k, block_rows)) * block_rows
-  return jnp.pad(active_rows.astype(jnp.int32), (0, k_pad - k),
-                 constant_values=num_rows)
+def _at_least_one_slot(active_rows: jax.Array, num_rows: int) -> jax.Array:
+  """The kernels read slot 0 unconditionally: give an empty index one
+  sentinel slot (a static-shape edge case; K >= 1 passes through)."""
+  active_rows = active_rows.astype(jnp.int32)
+  if active_rows.shape[0] == 0:
+    return jnp.full((1,), num_rows, jnp.int32)
+  return active_rows
 
 
 def _compiler_params(block_sizes: BlockSizes):
@@ -274,12 +321,15 @@ def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
                       interpret: bool, precision):
   num_rows = dy.shape[0]
   d = kernel.shape[0]
-  active_rows = _pad_active_rows(active_rows, num_rows, block_sizes.block_rows)
-  # Sentinel entries land in slot T, which is cut off.
-  is_active = jnp.zeros((num_rows + 1,), jnp.int32).at[active_rows].set(1)
-  is_active = is_active[:num_rows]
-  num_compute_blocks = active_rows.shape[0] // block_sizes.block_rows
-  num_zero_blocks = pl.cdiv(num_rows, block_sizes.block_rows)
+  active_rows = _at_least_one_slot(active_rows, num_rows)
+  num_slots = active_rows.shape[0]
+  num_compute_blocks = pl.cdiv(num_slots, block_sizes.block_rows)
+  num_row_blocks = num_compute_blocks + pl.cdiv(num_rows,
+                                                block_sizes.block_rows)
+  # D blocks vary fastest: programs running together share one gathered block
+  # of dy rows through L2 (measured faster than sweeping the rows fastest
+  # even where the kernel is the larger operand).
+  grid = (pl.cdiv(d, block_sizes.block_d), num_row_blocks)
   compute_dtype = jnp.promote_types(dy.dtype, kernel.dtype)
   body = functools.partial(
       _gathered_dx_kernel, num_compute_blocks=num_compute_blocks,
@@ -287,24 +337,20 @@ def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
       precision=_dot_precision(precision, dy.dtype, kernel.dtype))
   return pl.pallas_call(
       body,
-      # D tiles vary fastest: programs running together share one gathered
-      # block of dy rows, which then comes from L2.
-      grid=(pl.cdiv(d, block_sizes.block_d),
-            num_compute_blocks + num_zero_blocks),
+      grid=grid,
       out_shape=jax.ShapeDtypeStruct((num_rows, d), dy.dtype),
       compiler_params=_compiler_params(block_sizes),
       interpret=interpret,
       name="sebp_gathered_dx",
-  )(active_rows, is_active, dy, kernel)
+  )(active_rows, dy, kernel)
 
 
 def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
                          block_sizes: BlockSizes, interpret: bool, precision):
   num_rows, d = x.shape
   n = dy.shape[1]
-  num_selected = jnp.sum(active_rows < num_rows, dtype=jnp.int32)[None]
-  active_rows = _pad_active_rows(active_rows, num_rows, block_sizes.block_rows)
-  num_steps = active_rows.shape[0] // block_sizes.block_rows
+  active_rows = _at_least_one_slot(active_rows, num_rows)
+  num_steps = pl.cdiv(active_rows.shape[0], block_sizes.block_rows)
   split_rows = min(block_sizes.split_rows, num_steps)
   steps_per_split = pl.cdiv(num_steps, split_rows)
   # With one split the kernel writes the final dtype directly; partial sums
@@ -314,20 +360,29 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
   out_shape = [jax.ShapeDtypeStruct((split_rows, d, n), dw_dtype)]
   if with_bias:
     out_shape.append(jax.ShapeDtypeStruct((split_rows, n), db_dtype))
+  num_d_blocks = pl.cdiv(d, block_sizes.block_d)
+  num_n_blocks = pl.cdiv(n, block_sizes.block_n)
+  # Sweep fastest the axis whose gathered operand is smaller (x's [K, D] rows
+  # or dy's [K, N] rows), so that it stays in L2 while the other streams.
+  d_fastest = d <= n
+  grid = ((num_d_blocks, num_n_blocks, split_rows) if d_fastest
+          else (num_n_blocks, num_d_blocks, split_rows))
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   body = functools.partial(
-      _gathered_dw_db_kernel, steps_per_split=steps_per_split,
-      block_sizes=block_sizes, compute_dtype=compute_dtype,
+      _gathered_dw_db_kernel, d_fastest=d_fastest,
+      steps_per_split=steps_per_split, block_sizes=block_sizes,
+      compute_dtype=compute_dtype,
       precision=_dot_precision(precision, x.dtype, dy.dtype))
   outs = pl.pallas_call(
       body,
-      grid=(pl.cdiv(n, block_sizes.block_n), pl.cdiv(d, block_sizes.block_d),
-            split_rows),
+      grid=grid,
       out_shape=out_shape,
       compiler_params=_compiler_params(block_sizes),
       interpret=interpret,
       name="sebp_gathered_dw_db",
-  )(num_selected, active_rows, x, dy)
+  )(active_rows, x, dy)
+  if split_rows == 1:
+    return outs[0][0], outs[1][0] if with_bias else None
   dw = outs[0].sum(axis=0).astype(x.dtype)
   db = outs[1].sum(axis=0).astype(dy.dtype) if with_bias else None
   return dw, db
@@ -362,7 +417,8 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
   d, kernel_n = kernel.shape
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
-  block_sizes = block_sizes or default_block_sizes("dx", d, n)
+  block_sizes = block_sizes or default_block_sizes(
+      "dx", d, n, jnp.promote_types(dy.dtype, kernel.dtype))
   block_sizes = dataclasses.replace(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
@@ -398,7 +454,8 @@ def gathered_dw_db(
   dy_rows, n = dy.shape
   if dy_rows != num_rows:
     raise ValueError(f"x {x.shape} and dy {dy.shape} disagree on T")
-  block_sizes = block_sizes or default_block_sizes("dw", d, n)
+  block_sizes = block_sizes or default_block_sizes(
+      "dw", d, n, jnp.promote_types(x.dtype, dy.dtype))
   block_sizes = dataclasses.replace(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))

@@ -53,12 +53,23 @@ class SEBPDense(nn.Dense):
       raise ValueError(
           "SEBPDense computes its own backward and cannot use a custom dot_general / "
           "dot_general_cls (e.g. fp8 or quantized); use flax.linen.Dense for such layers")
-    kernel = self.param('kernel', self.kernel_init, (jnp.shape(inputs)[-1], self.features),
-                        self.param_dtype)
-    bias = (self.param('bias', self.bias_init, (self.features,), self.param_dtype)
-            if self.use_bias else None)
-    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    num_rows = math.prod(jnp.shape(inputs)[:-1])
-    return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(self.top_n, num_rows),
-                       threshold=self.threshold, precision=self.precision,
-                       backend=self.backend)
+    return sebp_dense_call(self, inputs, top_n=self.top_n, threshold=self.threshold,
+                           backend=self.backend)
+
+
+def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, threshold: float,
+                    backend: str, active_rows: Array | None = None) -> Array:
+  """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
+
+  Creates or reads the module's ``kernel``/``bias`` exactly as ``nn.Dense`` does, so it serves
+  both ``SEBPDense`` and unmodified ``nn.Dense`` layers intercepted by ``use_sebp``.
+  """
+  kernel = module.param('kernel', module.kernel_init, (jnp.shape(inputs)[-1], module.features),
+                        module.param_dtype)
+  bias = (module.param('bias', module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  num_rows = math.prod(jnp.shape(inputs)[:-1])
+  return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
+                     threshold=threshold, precision=module.precision, backend=backend,
+                     active_rows=active_rows)

@@ -94,32 +94,38 @@ def _dense_forward(x, kernel, bias, precision):
   return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sebp_linear(x, kernel, bias, config: SEBPConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sebp_linear(x, kernel, bias, active_rows, config: SEBPConfig):
+  del active_rows  # Only the backward uses it.
   return _dense_forward(x, kernel, bias, config.precision)
 
 
-def _sebp_linear_fwd(x, kernel, bias, config: SEBPConfig):
-  # Same residuals as the dense backward: the inputs, nothing more.
-  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, bias)
+def _sebp_linear_fwd(x, kernel, bias, active_rows, config: SEBPConfig):
+  # Same residuals as the dense backward (the inputs), plus the [top_n] index if one was given.
+  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, bias, active_rows)
 
 
 def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
-  x, kernel, bias = residuals
+  x, kernel, bias, active_rows = residuals
   num_rows = math.prod(x.shape[:-1])
-  if config.top_n >= num_rows:
+  if active_rows is None and config.top_n >= num_rows:
     _, dense_vjp = jax.vjp(functools.partial(_dense_forward, precision=config.precision),
                            x, kernel, bias)
-    return dense_vjp(dy)
+    return (*dense_vjp(dy), None)
   x2d = x.reshape(num_rows, x.shape[-1])
   dy2d = dy.reshape(num_rows, dy.shape[-1])
-  active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
+  if active_rows is None:
+    active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
   dx, dkernel, dbias = sparse_backward(
       x2d, kernel, dy2d, active_rows, with_bias=config.with_bias,
       precision=config.precision, backend=config.backend)
-  if dbias is not None:
-    dbias = dbias.astype(bias.dtype)
-  return dx.reshape(x.shape), dkernel, dbias
+  grads = (dx.reshape(x.shape), dkernel, None if dbias is None else dbias.astype(bias.dtype))
+  # JAX would silently accept a cotangent of another dtype; a mismatch here is a backend bug.
+  for grad, primal, name in zip(grads, (x, kernel, bias), ("x", "kernel", "bias")):
+    if grad is not None and (grad.dtype, grad.shape) != (primal.dtype, primal.shape):
+      raise TypeError(f"SEBP backward produced d{name} of {grad.dtype}{list(grad.shape)} for "
+                      f"{name} of {primal.dtype}{list(primal.shape)}")
+  return (*grads, None)
 
 
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
@@ -138,7 +144,8 @@ def resolve_backend(backend: str) -> str:
 
 
 def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: int,
-                threshold: float = 0.0, precision: Any = None, backend: str = "auto") -> Array:
+                threshold: float = 0.0, precision: Any = None, backend: str = "auto",
+                active_rows: Array | None = None) -> Array:
   """``x @ kernel + bias`` with a sparse, top-N-row backward.
 
   Args:
@@ -151,6 +158,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
       non-zero). Rows with NaN or Inf are always active and kept first.
     precision: ``lax.Precision`` of the forward and backward dots, as in ``nn.Dense``.
     backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    active_rows: optional ``int32[top_n]`` index of the rows to keep, sorted and padded with the
+      sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`). Given, the backward
+      skips scoring dY and uses it as is, so several layers can share one selection.
 
   Returns:
     ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype
@@ -165,6 +175,13 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   x, kernel, bias = (None if a is None else jnp.asarray(a) for a in (x, kernel, bias))
   _check_shapes(x, kernel, bias)
   x, kernel, bias = promote_dtype(x, kernel, bias)
+  if active_rows is not None:
+    active_rows = jnp.asarray(active_rows)
+    if active_rows.shape != (top_n,) or not jnp.issubdtype(active_rows.dtype, jnp.integer):
+      raise ValueError(f"active_rows must be an integer array of shape ({top_n},) (top_n), "
+                       f"got {active_rows.dtype}{list(active_rows.shape)}")
+    active_rows = active_rows.astype(jnp.int32)
   config = SEBPConfig(top_n=top_n, threshold=threshold, precision=precision, backend=backend,
                       with_bias=bias is not None)
-  return checkpoint_name(_sebp_linear(x, kernel, bias, config), SEBP_CHECKPOINT_NAME)
+  y = _sebp_linear(x, kernel, bias, active_rows, config)
+  return checkpoint_name(y, SEBP_CHECKPOINT_NAME)

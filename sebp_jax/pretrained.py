@@ -26,6 +26,7 @@ import pathlib
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import flax.traverse_util
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -110,11 +111,16 @@ def load_minilm_tokenizer():
     return AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
 
 
-def _gguf_field(reader, key: str):
-    """Python value of a GGUF metadata field (scalar, str, or list); KeyError naming the key if absent."""
-    if key not in reader.fields:
+_REQUIRED = object()
+
+
+def _gguf_field(reader, key: str, default=_REQUIRED):
+    """Python value of a GGUF metadata field (scalar, str, or list); ``default`` (else KeyError) if absent."""
+    if key in reader.fields:
+        return reader.fields[key].contents()
+    if default is _REQUIRED:
         raise KeyError(f"GGUF metadata has no {key!r}")
-    return reader.fields[key].contents()
+    return default
 
 
 def _undo_rope_row_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -190,7 +196,7 @@ def _smollm2_tokenizer(reader):
     pre_tokenizer_type = _gguf_field(reader, "tokenizer.ggml.pre")
     if pre_tokenizer_type != "smollm":
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre_tokenizer_type!r} (expected 'smollm')")
-    if "tokenizer.ggml.add_bos_token" in reader.fields and _gguf_field(reader, "tokenizer.ggml.add_bos_token"):
+    if _gguf_field(reader, "tokenizer.ggml.add_bos_token", default=False):
         raise ValueError("GGUF asks for a BOS token on every sequence; this loader does not add one")
 
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
@@ -214,7 +220,8 @@ def _smollm2_tokenizer(reader):
     )
 
     def token_at(key):
-        return tokens[_gguf_field(reader, key)] if key in reader.fields else None
+        token_id = _gguf_field(reader, key, default=None)
+        return None if token_id is None else tokens[token_id]
 
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -222,14 +229,12 @@ def _smollm2_tokenizer(reader):
         eos_token=token_at("tokenizer.ggml.eos_token_id"),
         unk_token=token_at("tokenizer.ggml.unknown_token_id"),
         pad_token=token_at("tokenizer.ggml.padding_token_id"),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template")
-        if "tokenizer.chat_template" in reader.fields
-        else None,
+        chat_template=_gguf_field(reader, "tokenizer.chat_template", default=None),
     )
 
 
 def _llama_config_from_gguf(reader, max_position_embeddings: int | None):
-    """``LlamaConfig`` from the ``llama.*`` GGUF metadata; embeddings are tied iff there is no output.weight."""
+    """``LlamaConfig`` from the ``llama.*`` GGUF metadata; tied embeddings iff there is no output.weight."""
     from transformers import LlamaConfig
 
     if _gguf_field(reader, "general.architecture") != "llama":
@@ -338,9 +343,7 @@ def load_smollm2(
     reader = gguf.GGUFReader(smollm2_gguf_path())
     config = _llama_config_from_gguf(reader, max_position_embeddings)
     params = _llama_params_from_gguf(reader, config, undo_rope_permutation)
-    params = flax.traverse_util.unflatten_dict(
-        {path: jnp.asarray(array, jnp.float32) for path, array in flax.traverse_util.flatten_dict(params).items()}
-    )
+    params = jax.tree_util.tree_map(lambda array: jnp.asarray(array, jnp.float32), params)
     # _do_init=False: skip the random initialisation of 135M params that would be thrown away.
     model = FlaxLlamaForCausalLM(config, dtype=dtype, _do_init=False)
     return model, params, _smollm2_tokenizer(reader)

@@ -72,3 +72,21 @@ def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
   if top_n >= num_rows:
     return compact_all_active()
   return lax.cond(jnp.sum(active) <= top_n, compact_all_active, keep_largest)
+
+
+def active_rows_from_mask(mask: Array, top_n: int) -> Array:
+  """The SEBP index for a known token mask, computed once and shared by every layer.
+
+  Args:
+    mask: ``[...]`` token mask (non-zero = a real token whose gradient matters), with the same
+      leading shape as the layers' inputs, e.g. ``attention_mask: [B, L]``.
+    top_n: static size of the index.
+
+  Returns:
+    ``int32[top_n]``: the flat indices of the first ``top_n`` real tokens in ascending order,
+    then the sentinel ``mask.size``. Tokens past the first ``top_n`` are dropped, so ``top_n``
+    must cover the real tokens of the batch for an exact gradient.
+  """
+  flat = jnp.reshape(mask, (-1,)) != 0
+  (rows,) = jnp.nonzero(flat, size=top_n, fill_value=flat.shape[0])
+  return rows.astype(jnp.int32)

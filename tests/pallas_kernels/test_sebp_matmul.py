@@ -61,9 +61,24 @@ def _f64(a):
   return np.asarray(a.astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# Every dtype with small tiles; the default tiles once (interpret mode is slow,
+# each case costs a compilation).
+DX_CONFIGS = [
+    *(pytest.param(SMALL_BLOCKS, dtype, id=f"small-{jnp.dtype(dtype).name}")
+      for dtype in DTYPES),
+    pytest.param(None, jnp.bfloat16, id="default-bfloat16"),
+]
+DW_CONFIGS = [
+    *(pytest.param(SMALL_BLOCKS, dtype, True,
+                   id=f"small-{jnp.dtype(dtype).name}-bias")
+      for dtype in DTYPES),
+    pytest.param(SPLIT_BLOCKS, jnp.bfloat16, True, id="split-bfloat16-bias"),
+    pytest.param(None, jnp.float32, False, id="default-float32-no-bias"),
+]
+
+
 @pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
-@pytest.mark.parametrize("blocks", [SMALL_BLOCKS, None], ids=["small", "default"])
+@pytest.mark.parametrize("blocks,dtype", DX_CONFIGS)
 def test_gathered_dx(num_rows, d, n, num_slots, num_selected, dtype, blocks):
   rng = np.random.default_rng([num_rows, d, n, num_selected])
   dy = _random(rng, (num_rows, n), dtype)
@@ -83,13 +98,8 @@ def test_gathered_dx(num_rows, d, n, num_slots, num_selected, dtype, blocks):
     assert _relative_error(dx[rows], expected) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
-@pytest.mark.parametrize("blocks,with_bias", [
-    pytest.param(SMALL_BLOCKS, True, id="small-bias"),
-    pytest.param(SPLIT_BLOCKS, True, id="split-bias"),
-    pytest.param(None, False, id="default-no-bias"),
-])
+@pytest.mark.parametrize("blocks,dtype,with_bias", DW_CONFIGS)
 def test_gathered_dw_db(num_rows, d, n, num_slots, num_selected, dtype, blocks,
                         with_bias):
   rng = np.random.default_rng([num_rows, d, n, num_selected, 1])
@@ -175,3 +185,43 @@ def test_offsets_beyond_int32():
   assert _relative_error(_f64(dx[rows]), expected_dx) < 1e-2
   assert _relative_error(dw, x_rows.T @ dy_rows) < 1e-2
   assert _relative_error(db, dy_rows.sum(0)) < 1e-2
+
+
+def test_zero_slots():
+  """An index of static size 0: dx is all zeros, dW and db are zero."""
+  rng = np.random.default_rng(11)
+  num_rows, d, n = 20, 16, 24
+  x = _random(rng, (num_rows, d), jnp.bfloat16)
+  dy = _random(rng, (num_rows, n), jnp.bfloat16)
+  kernel = _random(rng, (d, n), jnp.bfloat16)
+  active_rows = jnp.zeros((0,), jnp.int32)
+
+  dx = gathered_dx(dy, kernel, active_rows, block_sizes=SMALL_BLOCKS,
+                   interpret=INTERPRET)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True,
+                          block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+
+  assert np.all(_f64(dx) == 0.0)
+  assert np.all(_f64(dw) == 0.0) and np.all(_f64(db) == 0.0)
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles the large default tiles")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_tiles_of_large_layers(dtype):
+  """The default tiles of the largest shape classes compile and are right for
+  every dtype (float32 must fit shared memory with its halved step)."""
+  rng = np.random.default_rng(5)
+  num_rows, d, n = 192, 2048, 8192
+  x = _random(rng, (num_rows, d), dtype)
+  dy = _random(rng, (num_rows, n), dtype)
+  kernel = _random(rng, (d, n), dtype)
+  active_rows, rows = _active_rows(rng, num_rows, 96, 80)
+
+  dx = gathered_dx(dy, kernel, active_rows)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True)
+
+  expected_dx = _f64(dy)[rows] @ _f64(kernel).T
+  assert _relative_error(_f64(dx)[rows], expected_dx) < TOLERANCE[dtype]
+  expected_dw = _f64(x)[rows].T @ _f64(dy)[rows]
+  assert _relative_error(dw, expected_dw) < TOLERANCE[dtype]
+  assert _relative_error(db, _f64(dy)[rows].sum(0)) < TOLERANCE[dtype]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Compiled GPU run of the Pallas kernel tests, then (optionally) the block-size
+# sweep and the layer benchmark. Run from the repository root on a GPU machine:
+#
+#   benchmarks/gpu_check.sh OUT_DIR [STEP...]     STEP: tests, tune, bench (default: tests)
+#
+# BENCH_ARGS / TUNE_ARGS pass extra flags to benchmarks.layer / benchmarks.tune_blocks.
+# pytest missing from the image is installed from wheels carried in .whl/.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [tests] [tune] [bench]}
+shift
+steps=${*:-tests}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import pytest" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  python3 -c "import flax; print('flax', flax.__version__)" 2>&1 | tail -1
+  date -u
+} 2>&1 | tee "$out/device.txt"
+status=0
+for step in $steps; do
+  case $step in
+    tests)
+      INTERPRET=0 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels \
+        2>&1 | tee "$out/tests.log" | tail -25 || status=1 ;;
+    tune)
+      timeout 300 python3 -m benchmarks.tune_blocks --out "$out/tune.jsonl" ${TUNE_ARGS:-} \
+        2>"$out/tune.err" | tee "$out/tune.txt" || status=1
+      tail -5 "$out/tune.err" ;;
+    bench)
+      timeout 400 python3 -m benchmarks.layer --out "$out/layer.jsonl" ${BENCH_ARGS:-} \
+        2>"$out/layer.err" | tee "$out/layer.txt" || status=1
+      grep -E "device|measured|Error|error" "$out/layer.err" | tail -5 ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,357 @@
+"""Times the backward of one linear layer: dense vs SEBP (XLA and Pallas backends).
+
+    python -m benchmarks.layer --out results.jsonl
+    python -m benchmarks.layer --shapes 2048x8192,768x3072 --tokens 16384 --kept 20
+
+For each layer shape (D -> N), token count T and kept fraction, dY is random with the
+unkept rows zeroed (as padding rows are), and these are timed on whatever device JAX
+sees, each a median over repeats with a device sync:
+
+* ``dense``: ``jax.vjp`` of ``x @ W + b``, the full backward;
+* ``xla`` / ``pallas``: ``sparse_backward`` with the index ``selected`` from dY inside
+  the timed function (``select_active_rows``) or ``given`` (precomputed).
+
+The roofline bound of each variant is its FLOPs at the measured matmul rate plus the
+bytes it must move at the measured copy rate (both measured in the same run). Results
+go to stdout as a table and, one JSON object per measurement, to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+SHAPES = {
+    "bert-base": [(768, 768), (768, 3072), (3072, 768)],
+    "llama-3.2-1b/3b": [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048),
+                        (3072, 8192), (8192, 3072)],
+}
+ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes]
+TOKENS = (4096, 16384, 65536)
+KEPT_PERCENT = (5, 10, 20, 50)
+SPARSE_BACKENDS = ("xla", "pallas")
+INDEX_MODES = ("selected", "given")
+
+
+def _load_sebp():
+  """(select_active_rows, sparse_backward) from sebp_jax.
+
+  The package's __init__ imports flax; where flax is missing (a bare GPU image)
+  the two flax-free modules are loaded straight from their files.
+  """
+  try:
+    from sebp_jax.backends import sparse_backward
+    from sebp_jax.selection import select_active_rows
+    return select_active_rows, sparse_backward
+  except ModuleNotFoundError as error:
+    if error.name != "flax":
+      raise
+  root = pathlib.Path(__file__).resolve().parent.parent / "sebp_jax"
+  modules = {}
+  for name in ("selection", "backends"):
+    spec = importlib.util.spec_from_file_location(f"sebp_jax_{name}",
+                                                  root / f"{name}.py")
+    modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(modules[name])
+  return (modules["selection"].select_active_rows,
+          modules["backends"].sparse_backward)
+
+
+# ---------------------------------------------------------------------------
+# Timing.
+# ---------------------------------------------------------------------------
+
+
+def time_ms(fn, *args, repeats: int, calls_per_repeat: int = 3,
+            work_items: int = 1) -> float:
+  """Median wall time in ms of one of the ``work_items`` evaluations done by
+  each ``fn(*args)`` call; each repeat runs back-to-back calls and syncs once.
+  """
+  jax.block_until_ready(fn(*args))  # Warm-up: compilation and first-run costs.
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls_per_repeat):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - start
+    samples.append(elapsed * 1e3 / (calls_per_repeat * work_items))
+  return statistics.median(samples)
+
+
+def over_input_sets(fn):
+  """``fn`` applied to each of several argument tuples in one executable.
+
+  Timing one dispatch of ``input_sets`` evaluations keeps the host's launch
+  cost out of small cases, and distinct inputs keep a repeated evaluation
+  from reading its operands out of L2.
+  """
+  return lambda *input_sets: [fn(*inputs) for inputs in input_sets]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+  """Measured ceilings: bf16 matmul FLOP/s and device copy bytes/s."""
+  matmul_flops_per_s: float
+  copy_bytes_per_s: float
+
+
+def measure_rates(repeats: int) -> DeviceRates:
+  # Sizes that saturate a GPU (a 1 GiB copy is far beyond any L2); a CPU run
+  # is only a smoke test, so it gets small ones.
+  on_cpu = jax.default_backend() == "cpu"
+  size = 1024 if on_cpu else 8192
+  keys = jax.random.split(jax.random.key(1), 2)
+  a = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
+  matmul_ms = time_ms(jax.jit(jnp.dot), a, b, repeats=repeats)
+  # Elementwise op: reads and writes every byte once.
+  data = jax.random.normal(keys[0], (2**22 if on_cpu else 2**29,), jnp.bfloat16)
+  copy_ms = time_ms(jax.jit(lambda v: v + 1), data, repeats=repeats)
+  return DeviceRates(matmul_flops_per_s=2 * size**3 / (matmul_ms * 1e-3),
+                     copy_bytes_per_s=2 * data.nbytes / (copy_ms * 1e-3))
+
+
+def roofline_ms(d: int, n: int, num_rows: int, num_kept: int, itemsize: int,
+                rates: DeviceRates, *, selected: bool) -> float:
+  """FLOPs at the matmul rate plus must-move bytes at the copy rate.
+
+  Dense is the case ``num_kept == num_rows``. dX is written whole (zeros
+  included); selecting the rows reads all of dY once more.
+  """
+  flops = 2 * 2 * num_kept * d * n
+  moved = (num_kept * (n + d)  # selected rows of dY and X
+           + 2 * d * n  # W read, dW written
+           + num_rows * d  # dX written
+           + n)  # db
+  if selected:
+    moved += num_rows * n
+  return 1e3 * (flops / rates.matmul_flops_per_s
+                + moved * itemsize / rates.copy_bytes_per_s)
+
+
+# ---------------------------------------------------------------------------
+# The measured functions.
+# ---------------------------------------------------------------------------
+
+
+def dense_backward(x, kernel, bias, dy):
+  _, vjp = jax.vjp(lambda x_, k_, b_: x_ @ k_ + b_, x, kernel, bias)
+  return vjp(dy)
+
+
+def make_sparse_backward(backend: str, index_mode: str, top_n: int):
+  select_active_rows, sparse_backward = _load_sebp()
+  if index_mode == "selected":
+    def run(x, kernel, dy):
+      active_rows = select_active_rows(dy, top_n, 0.0)
+      return sparse_backward(x, kernel, dy, active_rows, with_bias=True,
+                             precision=None, backend=backend)
+  else:
+    def run(x, kernel, dy, active_rows):
+      return sparse_backward(x, kernel, dy, active_rows, with_bias=True,
+                             precision=None, backend=backend)
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  d: int
+  n: int
+  num_rows: int
+  kept_percent: int
+  dtype: str
+
+  @property
+  def num_kept(self) -> int:
+    return max(1, round(self.num_rows * self.kept_percent / 100))
+
+  @property
+  def shape_name(self) -> str:
+    return f"{self.d}x{self.n}"
+
+
+def _variants(case: Case):
+  """(backend, index_mode, fn, argument shapes) of every timed variant."""
+  dtype = jnp.dtype(case.dtype)
+  x = jax.ShapeDtypeStruct((case.num_rows, case.d), dtype)
+  kernel = jax.ShapeDtypeStruct((case.d, case.n), dtype)
+  bias = jax.ShapeDtypeStruct((case.n,), dtype)
+  dy = jax.ShapeDtypeStruct((case.num_rows, case.n), dtype)
+  rows = jax.ShapeDtypeStruct((case.num_kept,), jnp.int32)
+  yield "dense", None, dense_backward, (x, kernel, bias, dy)
+  for backend in SPARSE_BACKENDS:
+    for index_mode in INDEX_MODES:
+      fn = make_sparse_backward(backend, index_mode, case.num_kept)
+      args = (x, kernel, dy) + ((rows,) if index_mode == "given" else ())
+      yield backend, index_mode, fn, args
+
+
+def compile_all(cases, threads: int, input_sets: int):
+  """Compiles every variant of every case ahead of timing, in parallel."""
+  jobs = [(case, backend, mode, fn, args)
+          for case in cases for backend, mode, fn, args in _variants(case)]
+
+  def compile_one(job):
+    case, backend, mode, fn, args = job
+    executable = jax.jit(over_input_sets(fn)).lower(
+        *[args] * input_sets).compile()
+    return (case, backend, mode), executable
+
+  compiled = {}
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for key, executable in tqdm(pool.map(compile_one, jobs), total=len(jobs),
+                                desc="compile", file=sys.stderr):
+      compiled[key] = executable
+  return compiled
+
+
+def make_inputs(case: Case, seed: int = 0):
+  """Random x, W, b, dY with all but ``num_kept`` random rows of dY zeroed,
+  and the matching sorted index of kept rows."""
+  dtype = jnp.dtype(case.dtype)
+  keys = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(keys[0], (case.num_rows, case.d), dtype)
+  kernel = (jax.random.normal(keys[1], (case.d, case.n), jnp.float32)
+            / np.sqrt(case.d)).astype(dtype)
+  bias = jnp.zeros((case.n,), dtype)
+  kept = np.sort(np.random.default_rng(seed).choice(
+      case.num_rows, case.num_kept, replace=False))
+  active_rows = jnp.asarray(kept, jnp.int32)
+  is_kept = jnp.zeros((case.num_rows, 1), dtype).at[active_rows].set(1)
+  dy = jax.random.normal(keys[2], (case.num_rows, case.n), dtype) * is_kept
+  return x, kernel, bias, dy, active_rows
+
+
+# ---------------------------------------------------------------------------
+# Driver.
+# ---------------------------------------------------------------------------
+
+
+def _parse_shapes(text: str):
+  if text == "all":
+    return ALL_SHAPES
+  if text in SHAPES:
+    return SHAPES[text]
+  shapes = []
+  for item in text.split(","):
+    d, n = item.lower().split("x")
+    shapes.append((int(d), int(n)))
+  return shapes
+
+
+def _parse_ints(text: str):
+  return [int(v) for v in text.split(",")]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.layer", description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="append one JSON object per measurement to this file")
+  parser.add_argument("--shapes", default="all",
+                      help="'all', 'bert-base', 'llama-3.2-1b/3b' or a comma list "
+                           "of DxN (default: all)")
+  parser.add_argument("--tokens", type=_parse_ints, default=list(TOKENS),
+                      help="comma list of T (default: 4096,16384,65536)")
+  parser.add_argument("--kept", type=_parse_ints, default=list(KEPT_PERCENT),
+                      help="comma list of kept percentages (default: 5,10,20,50)")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--repeats", type=int, default=20,
+                      help="timed repeats per measurement; the median is kept")
+  parser.add_argument("--input-sets", type=int, default=4,
+                      help="distinct random inputs evaluated per timed call")
+  parser.add_argument("--compile-threads", type=int, default=8)
+  args = parser.parse_args(argv)
+
+  # T outermost, in the order given: an interrupted run has whole T sweeps.
+  cases = [Case(d, n, t, kept, args.dtype)
+           for t in args.tokens for (d, n) in _parse_shapes(args.shapes)
+           for kept in args.kept]
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind}, jax {jax.__version__}", file=sys.stderr)
+  rates = measure_rates(args.repeats)
+  print(f"measured: matmul {rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, "
+        f"copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s", file=sys.stderr)
+  compiled = compile_all(cases, args.compile_threads, args.input_sets)
+
+  # Written as measured, so that an interrupted run keeps what it timed.
+  out = args.out.open("a") if args.out else None
+  records = []
+  for case in tqdm(cases, desc="time", file=sys.stderr):
+    input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
+    inputs = {
+        mode: [(x, kernel, bias, dy) if mode == "dense" else
+               (x, kernel, dy) if mode == "selected" else
+               (x, kernel, dy, active_rows)
+               for x, kernel, bias, dy, active_rows in input_sets]
+        for mode in ("dense", "selected", "given")}
+    dense_ms = None
+    for backend, mode, _, _ in _variants(case):
+      ms = time_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
+                   repeats=args.repeats, work_items=args.input_sets)
+      dense_ms = ms if backend == "dense" else dense_ms
+      bound = roofline_ms(case.d, case.n, case.num_rows,
+                          case.num_rows if backend == "dense" else case.num_kept,
+                          jnp.dtype(case.dtype).itemsize, rates,
+                          selected=mode == "selected")
+      record = {
+          "shape": case.shape_name, "d_in": case.d, "d_out": case.n,
+          "tokens": case.num_rows, "kept_percent": case.kept_percent,
+          "dtype": case.dtype, "backend": backend, "index": mode,
+          "median_ms": ms, "speedup_over_dense": dense_ms / ms,
+          "roofline_ms": bound, "time_over_roofline": ms / bound,
+          "device": device.device_kind, "jax_version": jax.__version__,
+      }
+      records.append(record)
+      if out:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+    del input_sets, inputs
+
+  if out:
+    out.close()
+  print_table(records)
+
+
+def print_table(records):
+  """One line per case: times; speedups over dense (index selected); Pallas
+  over XLA (selected, then given); Pallas (selected) time over its roofline."""
+  by_case = {}
+  for r in records:
+    key = (r["shape"], r["tokens"], r["kept_percent"])
+    by_case.setdefault(key, {})[(r["backend"], r["index"])] = r
+  header = (f"{'shape':>10} {'T':>6} {'kept':>4} | {'dense':>7} "
+            f"{'xla-sel':>7} {'pal-sel':>7} {'xla-giv':>7} {'pal-giv':>7} ms | "
+            f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal':>7} "
+            f"{'xla/pal':>7} {'pal/roof':>8}")
+  print(header)
+  print("-" * len(header))
+  for (shape, tokens, kept), v in by_case.items():
+    ms = {k: r["median_ms"] for k, r in v.items()}
+    print(f"{shape:>10} {tokens:>6} {kept:>3}% | {ms['dense', None]:7.3f} "
+          f"{ms['xla', 'selected']:7.3f} {ms['pallas', 'selected']:7.3f} "
+          f"{ms['xla', 'given']:7.3f} {ms['pallas', 'given']:7.3f}    | "
+          f"{v['xla', 'selected']['speedup_over_dense']:8.2f}x "
+          f"{v['pallas', 'selected']['speedup_over_dense']:8.2f}x "
+          f"{ms['xla', 'selected'] / ms['pallas', 'selected']:6.2f}x "
+          f"{ms['xla', 'given'] / ms['pallas', 'given']:6.2f}x "
+          f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x")
+
+
+if __name__ == "__main__":
+  main()

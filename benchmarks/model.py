@@ -1,0 +1,269 @@
+"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama.
+
+Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``, tokenized from
+the shared SST-2 and WikiText-2 data), bf16 compute. Side by side in one run, for each mode:
+forward, backward (forward + backward minus forward) and a whole AdamW step (median of
+``--repeats``), and the peak device memory of the compiled step (XLA's memory analysis:
+arguments + outputs + temporaries - aliased).
+
+Modes:
+  dense          fixed padding, dense backward
+  sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch)
+  sebp_shared    fixed padding, SEBP with one index from the attention mask
+  bound          fixed padding, backward with every swapped linear layer's matmuls removed
+                 (dX still written as zeros): no SEBP backward can be faster than this
+  longest_dense  batch padded only to its longest sequence (rounded up to 64), dense
+  longest_sebp   the same, SEBP with the shared index
+
+    python -m benchmarks.model --model bert --out bert.jsonl
+    python -m benchmarks.model --model llama --out llama.jsonl
+    python -m benchmarks.model --model bert --tiny     # a CPU smoke run at toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import pathlib
+import re
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from sebp_jax import use_sebp
+from sebp_jax.intercept import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
+from sebp_jax.losses import masked_causal_lm_loss
+
+LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
+MODES = ("dense", "sebp_layer", "sebp_shared", "bound", "longest_dense", "longest_sebp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """One model at benchmark shapes: how to build it and which lengths its batches have."""
+  name: str
+  batch_size: int
+  length: int
+  lengths_file: str
+
+
+SETUPS = {
+    "bert": Setup("bert-base (BertConfig(), classification head)", 32, 512,
+                  "sst2_dev_bert_wordpiece.json"),
+    "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json"),
+}
+
+
+def build_model(kind: str, tiny: bool, dtype):
+  """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
+  from transformers import (BertConfig, FlaxBertForSequenceClassification,
+                            FlaxLlamaForCausalLM, LlamaConfig)
+  if kind == "bert":
+    config = BertConfig(num_labels=2)
+    if tiny:
+      config = BertConfig(num_labels=2, hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=128)
+    return FlaxBertForSequenceClassification(config, seed=0, dtype=dtype)
+  config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                       max_position_embeddings=1024, rope_theta=500000.0,
+                       tie_word_embeddings=True)
+  if tiny:
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, vocab_size=1000,
+                         max_position_embeddings=128)
+  return FlaxLlamaForCausalLM(config, seed=0, dtype=dtype)
+
+
+def make_batch(kind: str, model, setup: Setup, seed: int) -> dict[str, np.ndarray]:
+  """Random tokens with real lengths (drawn from the lengths file), right-padded to the length."""
+  rng = np.random.default_rng(seed)
+  lengths = np.asarray(json.loads((LENGTHS_DIR / setup.lengths_file).read_text())["lengths"])
+  lengths = np.minimum(rng.choice(lengths, setup.batch_size), setup.length)
+  mask = (np.arange(setup.length)[None] < lengths[:, None]).astype(np.int32)
+  ids = rng.integers(5, model.config.vocab_size, size=mask.shape).astype(np.int32) * mask
+  batch = {"input_ids": ids, "attention_mask": mask}
+  if kind == "bert":
+    batch["labels"] = rng.integers(0, 2, size=setup.batch_size).astype(np.int32)
+  return batch
+
+
+def cut_to_longest(batch: dict[str, np.ndarray], multiple: int = 64) -> dict[str, np.ndarray]:
+  """The batch padded only to its longest sequence, rounded up to ``multiple``."""
+  length = min(batch["attention_mask"].shape[1],
+               -(-int(batch["attention_mask"].sum(1).max()) // multiple) * multiple)
+  return {k: (v[:, :length] if v.ndim == 2 else v) for k, v in batch.items()}
+
+
+@jax.custom_vjp
+def _without_backward_matmuls(x, y):
+  return y
+
+
+def _fwd(x, y):
+  return y, x
+
+
+def _bwd(x, dy):
+  # dX is still written (zeros); no dY @ W.T, no X.T @ dY.
+  return jnp.zeros_like(x), jnp.zeros_like(dy)
+
+
+_without_backward_matmuls.defvjp(_fwd, _bwd)
+
+
+@contextlib.contextmanager
+def linear_backward_removed():
+  """The lower bound: the layers SEBP would swap keep their forward but their backward does
+  no matmul (their params get no gradient)."""
+  include, exclude = re.compile(DEFAULT_INCLUDE), re.compile(DEFAULT_EXCLUDE)
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    path = "/".join(module.path)
+    if (context.method_name == "__call__" and isinstance(module, nn.Dense)
+        and include.search(path) and not exclude.search(path)):
+      y = jax.lax.stop_gradient(next_fun(*args, **kwargs))
+      return _without_backward_matmuls(args[0], y)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def make_loss(kind: str, model, mode: str, top_n: int):
+  def context(batch):
+    if mode in ("sebp_shared", "longest_sebp"):
+      return use_sebp(top_n=top_n, active_mask=batch["attention_mask"])
+    if mode == "sebp_layer":
+      return use_sebp(top_n=top_n)
+    if mode == "bound":
+      return linear_backward_removed()
+    return contextlib.nullcontext()
+
+  def loss_fn(params, batch):
+    with context(batch):
+      logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                     params=params).logits
+    if kind == "bert":
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), batch["labels"]).mean()
+    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"])
+  return loss_fn
+
+
+def median_ms(fn, args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile and warm up
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def peak_bytes(compiled) -> int | None:
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return None
+  return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+             + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+def run(kind: str, modes, repeats: int, tiny: bool, seed: int):
+  setup = SETUPS[kind]
+  if tiny:
+    setup = dataclasses.replace(setup, batch_size=4, length=64)
+  model = build_model(kind, tiny, jnp.bfloat16)
+  params = model.params
+  batch = make_batch(kind, model, setup, seed)
+  top_n = int(batch["attention_mask"].sum())
+  optimizer = optax.adamw(1e-5)
+  opt_state = optimizer.init(params)
+  rows = []
+  for mode in tqdm(modes, desc=kind, file=sys.stdout):
+    mode_batch = cut_to_longest(batch) if mode.startswith("longest") else batch
+    loss_fn = make_loss(kind, model, mode, top_n)
+
+    def step(params, opt_state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
+    compiled_step = jax.jit(step).lower(params, opt_state, mode_batch).compile()
+    forward_ms = median_ms(forward, (params, mode_batch), repeats)
+    grad_ms = median_ms(grad, (params, mode_batch), repeats)
+    step_ms = median_ms(compiled_step, (params, opt_state, mode_batch), repeats)
+    rows.append({
+        "model": kind, "setup": setup.name, "mode": mode, "tiny": tiny,
+        "batch_size": setup.batch_size, "padded_length": mode_batch["input_ids"].shape[1],
+        "real_tokens": top_n, "rows": int(mode_batch["input_ids"].size),
+        "forward_ms": forward_ms, "backward_ms": grad_ms - forward_ms, "step_ms": step_ms,
+        "peak_bytes": peak_bytes(compiled_step), "device": jax.devices()[0].device_kind,
+        "jax_version": jax.__version__, "compute_dtype": "bfloat16", "repeats": repeats,
+    })
+  dense = next((r for r in rows if r["mode"] == "dense"), None)
+  for row in rows:
+    if dense:
+      row["backward_speedup_vs_dense"] = dense["backward_ms"] / row["backward_ms"]
+      row["step_speedup_vs_dense"] = dense["step_ms"] / row["step_ms"]
+      if dense["peak_bytes"] and row["peak_bytes"]:
+        row["peak_memory_vs_dense"] = row["peak_bytes"] / dense["peak_bytes"]
+  return rows
+
+
+def print_table(rows) -> None:
+  header = (f"{'model':6} {'mode':14} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} "
+            f"{'bwd x':>6} {'step x':>6} {'mem/dense':>9}")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    print(f"{r['model']:6} {r['mode']:14} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
+          f"{r['backward_ms']:8.2f} {r['step_ms']:8.2f} "
+          f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
+          f"{r.get('step_speedup_vs_dense', float('nan')):6.2f} "
+          f"{r.get('peak_memory_vs_dense', float('nan')):9.3f}")
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=__doc__.split("\n\n", 1)[1])
+  parser.add_argument("--model", choices=sorted(SETUPS), action="append",
+                      help="model(s) to run (default: all)")
+  parser.add_argument("--modes", default=",".join(MODES),
+                      help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
+  parser.add_argument("--out", default=None, help="append JSON lines here")
+  args = parser.parse_args(argv)
+  modes = [m for m in args.modes.split(",") if m]
+  unknown = sorted(set(modes) - set(MODES))
+  if unknown:
+    parser.error(f"--modes: unknown {unknown}; choose from {MODES}")
+  if args.repeats <= 0:
+    parser.error("--repeats must be positive")
+  rows = []
+  for kind in args.model or sorted(SETUPS):
+    rows += run(kind, modes, args.repeats, args.tiny, args.seed)
+  print_table(rows)
+  if args.out:
+    with open(args.out, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,148 @@
+"""Sweeps block sizes of the Pallas SEBP kernels and reports the fastest per shape.
+
+    python -m benchmarks.tune_blocks --out tune.jsonl
+
+Times ``gathered_dx`` and ``gathered_dw_db`` (with bias, index given) for each
+candidate ``BlockSizes`` on each layer shape at one T and kept fraction (default
+T=16384, 20%, bf16). The winners feed the default table in
+``pallas_kernels/sebp_matmul.py`` by hand: there is no runtime autotuning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from benchmarks.layer import (Case, _parse_shapes, make_inputs,
+                              over_input_sets, time_ms)
+from pallas_kernels import BlockSizes, gathered_dw_db, gathered_dx
+
+# BlockSizes(block_rows, block_d, block_n, split_rows, num_warps, num_stages).
+# dx tiles [rows, D], stepping over N.
+DX_CANDIDATES = [
+    BlockSizes(128, 256, 64, 1, 8, 3),
+    BlockSizes(128, 256, 64, 1, 8, 4),
+    BlockSizes(128, 256, 32, 1, 8, 4),
+    BlockSizes(256, 128, 64, 1, 8, 3),
+    BlockSizes(128, 128, 64, 1, 8, 3),
+    BlockSizes(128, 128, 64, 1, 4, 4),
+    BlockSizes(128, 128, 32, 1, 4, 5),
+    BlockSizes(64, 128, 64, 1, 4, 3),
+]
+# dW tiles [D, N], stepping over the selected rows; splits for small D * N.
+DW_CANDIDATES = [
+    BlockSizes(64, 128, 128, 1, 4, 4),
+    BlockSizes(64, 128, 128, 1, 4, 3),
+    BlockSizes(64, 128, 128, 1, 8, 4),
+    BlockSizes(128, 128, 128, 1, 8, 3),
+    BlockSizes(64, 256, 128, 1, 8, 4),
+    BlockSizes(64, 128, 256, 1, 8, 4),
+    BlockSizes(64, 64, 128, 1, 4, 4),
+    BlockSizes(64, 128, 128, 2, 4, 4),
+    BlockSizes(64, 128, 128, 4, 4, 4),
+    BlockSizes(64, 128, 128, 4, 8, 3),
+    BlockSizes(64, 64, 128, 4, 4, 4),
+]
+
+
+def _kernels(case: Case):
+  dtype = jnp.dtype(case.dtype)
+  x = jax.ShapeDtypeStruct((case.num_rows, case.d), dtype)
+  kernel = jax.ShapeDtypeStruct((case.d, case.n), dtype)
+  dy = jax.ShapeDtypeStruct((case.num_rows, case.n), dtype)
+  rows = jax.ShapeDtypeStruct((case.num_kept,), jnp.int32)
+  interpret = jax.default_backend() == "cpu"  # CPU: a smoke test only.
+  for blocks in DX_CANDIDATES:
+    fn = lambda dy_, k_, r_, b=blocks: gathered_dx(
+        dy_, k_, r_, block_sizes=b, interpret=interpret)
+    yield "dx", blocks, fn, (dy, kernel, rows)
+  for blocks in DW_CANDIDATES:
+    fn = lambda x_, dy_, r_, b=blocks: gathered_dw_db(
+        x_, dy_, r_, with_bias=True, block_sizes=b, interpret=interpret)
+    yield "dw", blocks, fn, (x, dy, rows)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.tune_blocks",
+      description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="append one JSON object per measurement")
+  parser.add_argument("--shapes", default="all",
+                      help="as in benchmarks.layer (default: all)")
+  parser.add_argument("--tokens", type=int, default=16384)
+  parser.add_argument("--kept", type=int, default=20, help="kept percent")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--input-sets", type=int, default=4,
+                      help="distinct random inputs evaluated per timed call")
+  parser.add_argument("--compile-threads", type=int, default=8)
+  args = parser.parse_args(argv)
+
+  cases = [Case(d, n, args.tokens, args.kept, args.dtype)
+           for d, n in _parse_shapes(args.shapes)]
+  jobs = [(case, *job) for case in cases for job in _kernels(case)]
+
+  def compile_one(job):
+    case, name, blocks, fn, shapes = job
+    try:
+      executable = jax.jit(over_input_sets(fn)).lower(
+          *[shapes] * args.input_sets).compile()
+      return executable, None
+    except Exception as error:  # A tile that does not fit is a result too.
+      return None, f"{type(error).__name__}: {str(error)[:200]}"
+
+  with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+    compiled = list(tqdm(pool.map(compile_one, jobs), total=len(jobs),
+                         desc="compile", file=sys.stderr))
+
+  device = jax.devices()[0].device_kind
+  records = []
+  for case in tqdm(cases, desc="time", file=sys.stderr):
+    input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
+    inputs = {"dx": [(dy, kernel, rows) for _, kernel, _, dy, rows in input_sets],
+              "dw": [(x, dy, rows) for x, _, _, dy, rows in input_sets]}
+    for (job_case, name, blocks, _, _), (executable, error) in zip(jobs,
+                                                                   compiled):
+      if job_case != case:
+        continue
+      ms = (time_ms(executable, *inputs[name], repeats=args.repeats,
+                    work_items=args.input_sets)
+            if executable is not None else None)
+      records.append({"shape": case.shape_name, "tokens": case.num_rows,
+                      "kept_percent": case.kept_percent, "dtype": case.dtype,
+                      "kernel": name, "blocks": dataclasses.asdict(blocks),
+                      "median_ms": ms, "error": error, "device": device,
+                      "jax_version": jax.__version__})
+
+  if args.out:
+    with args.out.open("a") as out:
+      for record in records:
+        out.write(json.dumps(record) + "\n")
+  print(f"{'shape':>10} {'kernel':>6} {'best ms':>8} {'worst ms':>8}  best blocks")
+  for case in cases:
+    for name in ("dx", "dw"):
+      timed = [r for r in records if r["shape"] == case.shape_name
+               and r["kernel"] == name and r["median_ms"] is not None]
+      if not timed:
+        print(f"{case.shape_name:>10} {name:>6}  no candidate compiled")
+        continue
+      best = min(timed, key=lambda r: r["median_ms"])
+      worst = max(r["median_ms"] for r in timed)
+      print(f"{case.shape_name:>10} {name:>6} {best['median_ms']:8.3f} "
+            f"{worst:8.3f}  {tuple(best['blocks'].values())}")
+  for r in records:
+    if r["error"]:
+      print(f"failed {r['shape']} {r['kernel']} {r['blocks']}: {r['error']}")
+
+
+if __name__ == "__main__":
+  main()

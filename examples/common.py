@@ -1,0 +1,85 @@
+"""What both fine-tuning examples share: the training loop, side-by-side timing, the plot."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+import optax
+from tqdm import tqdm
+
+LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
+
+
+def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],
+        optimizer: optax.GradientTransformation, desc: str) -> tuple[dict, list[float]]:
+  """Runs one jitted optimizer step per batch with a progress bar; returns params and losses."""
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = optimizer.init(params)
+  losses = []
+  progress = tqdm(train_batches, desc=f"{desc:>5}", unit="step", file=sys.stdout)
+  for batch in progress:
+    params, opt_state, loss = train_step(params, opt_state, batch)
+    losses.append(float(loss))
+    progress.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+  return params, losses
+
+
+def _median_seconds(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def time_forward_backward(loss_fns: dict[str, LossFn], params: dict, batch: dict,
+                          repeats: int) -> dict[str, dict[str, float]]:
+  """Median seconds of the jitted forward and forward + backward of each loss, on one batch.
+
+  The backward is their difference. Every function is compiled and run once before timing.
+  """
+  timings = {}
+  for mode, loss_fn in loss_fns.items():
+    forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
+    jax.block_until_ready((forward(params, batch), grad(params, batch)))
+    forward_s = _median_seconds(lambda: forward(params, batch), repeats)
+    grad_s = _median_seconds(lambda: grad(params, batch), repeats)
+    timings[mode] = {"forward_s": forward_s, "forward_backward_s": grad_s,
+                     "backward_s": max(grad_s - forward_s, 1e-9)}
+  return timings
+
+
+def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], title: str,
+                     path: pathlib.Path, window: int = 10) -> None:
+  """Raw (faint) and moving-average (solid/dashed) training loss of each run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for i, (mode, curve) in enumerate(losses.items()):
+    curve = np.asarray(curve)
+    window_used = max(1, min(window, len(curve)))
+    smooth = np.convolve(curve, np.ones(window_used) / window_used, mode="valid")
+    ax.plot(curve, alpha=0.25, color=f"C{i}")
+    ax.plot(np.arange(window_used - 1, len(curve)), smooth, color=f"C{i}",
+            linestyle="-" if i == 0 else "--", label=labels[mode])
+  ax.set_xlabel("step")
+  ax.set_ylabel("training loss")
+  ax.set_title(title, fontsize=10)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,164 @@
+"""``use_sebp``: run every ``flax.linen.Dense`` of an unmodified model through SEBP.
+
+The interceptor (``flax.linen.intercept_methods``) replaces the ``__call__`` of each selected
+``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call`: same params, same forward, SEBP
+backward. Nothing in the model's code or its params changes.
+
+It acts while a function is *traced*. A jitted function that was compiled before is not traced
+again, so entering ``use_sebp`` around a call to it would silently run the compiled dense
+version: the context raises when no layer went through it. Enter it inside the function being
+jitted, or decorate that function with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import re
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sebp_jax.layers import SEBPDense, resolve_top_n, sebp_dense_call
+from sebp_jax.ops import resolve_backend, validate_threshold
+from sebp_jax.selection import active_rows_from_mask
+
+logger = logging.getLogger("sebp_jax")
+
+#: The layers the SEBP paper swaps: attention projections and MLP layers of BERT-style
+#: (query/key/value/dense) and Llama-style (q/k/v/o/gate/up/down_proj) models.
+DEFAULT_INCLUDE = r"(^|/)(query|key|value|dense|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+#: Heads see one row per sequence (or the vocabulary), where sparsity buys nothing.
+DEFAULT_EXCLUDE = r"(^|/)(pooler|classifier|lm_head|score|qa_outputs)(/|$)"
+
+
+@dataclasses.dataclass
+class SEBPReport:
+  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``)."""
+  swapped: list[str] = dataclasses.field(default_factory=list)
+  shared_index: list[str] = dataclasses.field(default_factory=list)
+  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_swapped(self) -> int:
+    return len(self.swapped)
+
+  def summary(self) -> str:
+    return (f"use_sebp: {self.num_swapped} Dense layers swapped "
+            f"({len(self.shared_index)} on the shared mask index), {len(self.skipped)} left dense")
+
+
+class use_sebp:
+  """Runs the selected ``nn.Dense`` layers of any linen model with the SEBP backward.
+
+  Use it inside the function that is traced, or as a decorator of it::
+
+      def loss_fn(params, batch):
+        with use_sebp(top_n=0.25) as report:
+          logits = model(**batch, params=params).logits
+        ...
+
+      loss_fn = use_sebp(top_n=2048)(loss_fn)
+
+  Args:
+    top_n: rows of each layer's flattened dY kept in the backward: an int, or a float in (0, 1]
+      for a kept fraction of that layer's rows. Choose it to cover the real (non-padding)
+      tokens of the largest batch: with ``active_mask`` the count of ones in the mask.
+    threshold: rows of dY whose max ``|value|`` is at most this count as zero.
+    include: regex over the module path (``"bert/encoder/layer/0/attention/self/query"``); a
+      layer is swapped when it matches ``include`` and not ``exclude``.
+    exclude: regex of paths left dense; default: pooler and classification / LM heads.
+    active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
+      index of the real tokens is computed once and every layer whose input has the mask's
+      leading shape reuses it instead of scoring dY itself. Exact when the gradient rows of the
+      masked tokens are exactly zero: BERT classification (attention masks padding keys, the
+      loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
+      the loss or a pooling reads padding positions, or when a real token is masked out.
+    backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    require_swaps: raise when the context ends without having swapped any layer (the sign of
+      an already-compiled function, or of patterns that match nothing).
+  """
+
+  def __init__(self, top_n: int | float, threshold: float = 0.0, *,
+               include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
+               active_mask: jax.Array | None = None, backend: str = "auto",
+               require_swaps: bool = True):
+    resolve_top_n(top_n, 1)  # Validates now rather than inside a trace.
+    self.top_n = top_n
+    self.threshold = validate_threshold(threshold)
+    self.include = re.compile(include)
+    self.exclude = re.compile(exclude) if exclude else None
+    self.active_mask = active_mask
+    self.backend = resolve_backend(backend)
+    self.require_swaps = require_swaps
+    self.report = SEBPReport()
+    self._contexts: list[contextlib.ExitStack] = []
+    self._shared_rows: jax.Array | None = None
+
+  def _fresh_copy(self) -> "use_sebp":
+    # Each call of a decorated function gets its own context and report.
+    fresh = use_sebp.__new__(use_sebp)
+    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _contexts=[], _shared_rows=None)
+    return fresh
+
+  def __call__(self, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      with self._fresh_copy():
+        return fn(*args, **kwargs)
+    return wrapped
+
+  def __enter__(self) -> SEBPReport:
+    if self.active_mask is not None:
+      mask = jnp.asarray(self.active_mask)
+      # Computed here, in the trace that entered the context, so that layers traced inside
+      # nn.scan / nn.remat close over it instead of leaking an inner tracer out.
+      self._shared_rows = active_rows_from_mask(mask, resolve_top_n(self.top_n, mask.size))
+    stack = contextlib.ExitStack()
+    stack.enter_context(nn.intercept_methods(self._intercept))
+    self._contexts.append(stack)
+    return self.report
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self._contexts.pop().close()
+    if exc_type is not None:
+      return
+    logger.info(self.report.summary())
+    if self.require_swaps and not self.report.swapped:
+      skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
+      raise RuntimeError(
+          "use_sebp swapped no Dense layer. If you called a function that jax.jit had already "
+          "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
+          "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
+          f"layer{' (' + skipped + ')' if skipped else ''}.")
+
+  def _record(self, bucket: list[str], path: str) -> None:
+    if path not in bucket:
+      bucket.append(path)
+
+  def _intercept(self, next_fun, args, kwargs, context) -> Any:
+    module = context.module
+    if (context.method_name != "__call__" or not isinstance(module, nn.Dense)
+        or isinstance(module, SEBPDense)):
+      return next_fun(*args, **kwargs)
+    path = "/".join(module.path)
+    if not self.include.search(path) or (self.exclude and self.exclude.search(path)):
+      self.report.skipped[path] = "not selected by include/exclude"
+      return next_fun(*args, **kwargs)
+    if module.dot_general is not None or module.dot_general_cls is not None:
+      self.report.skipped[path] = "custom dot_general (e.g. fp8/quantized)"
+      return next_fun(*args, **kwargs)
+    (inputs,) = args or (kwargs["inputs"],)
+    active_rows, top_n = None, self.top_n
+    if (self._shared_rows is not None
+        and math.prod(jnp.shape(inputs)[:-1]) == jnp.size(self.active_mask)):
+      active_rows, top_n = self._shared_rows, self._shared_rows.shape[0]
+      self._record(self.report.shared_index, path)
+    self._record(self.report.swapped, path)
+    return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
+                           backend=self.backend, active_rows=active_rows)

@@ -1,0 +1,40 @@
+"""Shared by the model tests: loss builders (dense, or under `use_sebp` when given its kwargs)
+and the gradient comparison."""
+
+import contextlib
+
+import jax
+import numpy as np
+import optax
+
+from sebp_jax import use_sebp
+from sebp_jax.losses import masked_causal_lm_loss
+
+
+def _context(sebp_kwargs):
+  return use_sebp(**sebp_kwargs) if sebp_kwargs is not None else contextlib.nullcontext()
+
+
+def classification_loss(model, ids, mask, labels, sebp_kwargs=None):
+  def loss(params):
+    with _context(sebp_kwargs):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  return loss
+
+
+def causal_lm_loss(model, ids, mask, sebp_kwargs=None):
+  def loss(params):
+    with _context(sebp_kwargs):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    return masked_causal_lm_loss(logits, ids, mask)
+  return loss
+
+
+def assert_every_gradient_close(got, want, rtol=1e-4):
+  """rtol per parameter; the atol (1e-6 of the largest gradient) only absorbs float32 noise
+  around gradients that are zero in exact arithmetic (e.g. the attention key bias)."""
+  scale = max(float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(want))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6 * scale)

@@ -1,0 +1,134 @@
+"""`use_sebp` on models whose code we do not touch: transformers' Flax BERT and Llama."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
+                          LlamaConfig)
+
+from model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
+from sebp_jax import use_sebp
+
+
+def _padded_batch(rng, batch, length, vocab):
+  ids = rng.integers(3, vocab, size=(batch, length)).astype(np.int32)
+  lengths = rng.integers(2, length // 2, size=batch)
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+  return ids * mask, mask
+
+
+@pytest.fixture(scope="module")
+def tiny_bert():
+  config = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=64)
+  return FlaxBertForSequenceClassification(config, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+  config = LlamaConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                       max_position_embeddings=64)
+  return FlaxLlamaForCausalLM(config, seed=0)
+
+
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_bert_gradients_equal_dense(tiny_bert, shared_index):
+  ids, mask = _padded_batch(np.random.default_rng(0), 3, 16, 120)
+  labels = np.array([0, 1, 1])
+  num_real = int(mask.sum())
+  kwargs = dict(top_n=num_real, active_mask=mask if shared_index else None)
+  want = jax.grad(classification_loss(tiny_bert, ids, mask, labels))(tiny_bert.params)
+  got = jax.jit(jax.grad(classification_loss(tiny_bert, ids, mask, labels, kwargs)))(tiny_bert.params)
+  assert_every_gradient_close(got, want)
+
+
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_llama_gradients_equal_dense(tiny_llama, shared_index):
+  ids, mask = _padded_batch(np.random.default_rng(1), 2, 16, 120)
+  kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None)
+  want = jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params)
+  got = jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask, kwargs)))(tiny_llama.params)
+  assert_every_gradient_close(got, want)
+
+
+def test_default_selection_and_report(tiny_bert, tiny_llama):
+  ids, mask = _padded_batch(np.random.default_rng(2), 2, 8, 120)
+  with use_sebp(top_n=4) as report:
+    tiny_bert(ids, attention_mask=mask)
+  # 2 layers x (query, key, value, attention output dense, intermediate dense, output dense).
+  assert report.num_swapped == 12
+  assert set(report.skipped) == {"bert/pooler/dense", "classifier"}
+  assert "bert/encoder/layer/1/intermediate/dense" in report.swapped
+  with use_sebp(top_n=4) as report:
+    tiny_llama(ids, attention_mask=mask)
+  assert report.num_swapped == 2 * 7 and "lm_head" in report.skipped
+  with use_sebp(top_n=4, include=r"mlp/(up|down)_proj$") as report:
+    tiny_llama(ids, attention_mask=mask)
+  assert report.num_swapped == 4 and all("mlp" in p for p in report.swapped)
+
+
+def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
+  ids, mask = _padded_batch(np.random.default_rng(3), 2, 8, 120)
+  with use_sebp(top_n=int(mask.sum()), active_mask=mask, exclude=None) as report:
+    tiny_bert(ids, attention_mask=mask)
+  # The pooler sees [B, H], not [B, L, H]: it selects its rows itself.
+  assert "bert/pooler/dense" in report.swapped
+  assert "bert/pooler/dense" not in report.shared_index
+  assert len(report.shared_index) == 12
+
+
+def test_an_already_compiled_function_is_loud(tiny_bert):
+  ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
+  forward = jax.jit(lambda params: tiny_bert(ids, attention_mask=mask, params=params).logits)
+  forward(tiny_bert.params)
+  with pytest.raises(RuntimeError, match="swapped no Dense layer"):
+    with use_sebp(top_n=4):
+      forward(tiny_bert.params)  # Cache hit: nothing is traced, so the dense version would run.
+
+
+def test_decorator_form_and_grad(tiny_bert):
+  ids, mask = _padded_batch(np.random.default_rng(5), 2, 12, 120)
+  labels = np.array([1, 0])
+  dense_loss = classification_loss(tiny_bert, ids, mask, labels)
+  sebp_loss = use_sebp(top_n=int(mask.sum()))(dense_loss)
+  assert_every_gradient_close(jax.jit(jax.grad(sebp_loss))(tiny_bert.params),
+                     jax.grad(dense_loss)(tiny_bert.params))
+  # Too small a top_n must change the gradient: the interceptor really acts.
+  starved = use_sebp(top_n=2)(dense_loss)
+  got = jax.grad(starved)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
+  want = jax.grad(dense_loss)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
+  assert not np.allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-3)
+
+
+class QuantizedMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="up_proj")(x)
+    return nn.Dense(4, name="down_proj", dot_general=jax.lax.dot_general)(x)
+
+
+def test_layers_with_a_custom_dot_general_stay_dense():
+  x = jnp.ones((2, 3, 5))
+  params = QuantizedMLP().init(jax.random.key(0), x)
+  with use_sebp(top_n=2) as report:
+    QuantizedMLP().apply(params, x)
+  assert report.swapped == ["up_proj"]
+  assert "custom dot_general" in report.skipped["down_proj"]
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="top_n"):
+    use_sebp(top_n=0)
+  with pytest.raises(ValueError, match="kept fraction"):
+    use_sebp(top_n=1.5)
+  with pytest.raises(ValueError, match="threshold"):
+    use_sebp(top_n=4, threshold=-1.0)
+  with pytest.raises(ValueError, match="backend"):
+    use_sebp(top_n=4, backend="cuda")

@@ -1,0 +1,37 @@
+"""SEBP in the real pretrained models, unmodified: gradients equal `jax.grad` of the dense model.
+
+top_n covers the non-padding tokens, so SEBP must drop only rows that are exactly zero.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
+from sebp_jax.datasets import encode_fixed_length, load_sst2, load_wikitext2
+
+
+@pytest.mark.parametrize("shared_index", [False, True], ids=["per-layer", "shared-index"])
+def test_minilm_sst2_gradients(bert, shared_index):
+  model, params, tokenizer = bert
+  sentences = load_sst2("train", limit=4)
+  batch = encode_fixed_length(tokenizer, [s for s, _ in sentences], 48)
+  ids, mask = batch["input_ids"], batch["attention_mask"]
+  labels = np.array([label for _, label in sentences], np.int32)
+  assert mask.sum() < mask.size // 2  # mostly padding: the regime SEBP is for
+  kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None)
+  want = jax.jit(jax.grad(classification_loss(model, ids, mask, labels)))(params)
+  got = jax.jit(jax.grad(classification_loss(model, ids, mask, labels, kwargs)))(params)
+  assert_every_gradient_close(got, want)
+
+
+def test_smollm2_wikitext_gradients(smollm2):
+  model, params, tokenizer = smollm2
+  paragraphs = [p for p in load_wikitext2(limit=40) if 20 < len(p.split()) < 40][:2]
+  batch = encode_fixed_length(tokenizer, paragraphs, 96)
+  ids, mask = batch["input_ids"], batch["attention_mask"]
+  assert 0 < mask.sum() < mask.size
+  kwargs = dict(top_n=int(mask.sum()), active_mask=mask)
+  want = jax.jit(jax.grad(causal_lm_loss(model, ids, mask)))(params)
+  got = jax.jit(jax.grad(causal_lm_loss(model, ids, mask, kwargs)))(params)
+  assert_every_gradient_close(got, want)
