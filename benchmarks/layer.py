@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import statistics
@@ -33,6 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from sebp_jax.backends import choose_backend, sparse_backward
+from sebp_jax.selection import select_active_rows
+
 SHAPES = {
     "bert-base": [(768, 768), (768, 3072), (3072, 768)],
     "llama-3.2-1b/3b": [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048),
@@ -41,32 +43,8 @@ SHAPES = {
 ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes]
 TOKENS = (4096, 16384, 65536)
 KEPT_PERCENT = (5, 10, 20, 50)
-SPARSE_BACKENDS = ("xla", "pallas")
+SPARSE_BACKENDS = ("xla", "pallas", "auto")
 INDEX_MODES = ("selected", "given")
-
-
-def _load_sebp():
-  """(select_active_rows, sparse_backward) from sebp_jax.
-
-  The package's __init__ imports flax; where flax is missing (a bare GPU image)
-  the two flax-free modules are loaded straight from their files.
-  """
-  try:
-    from sebp_jax.backends import sparse_backward
-    from sebp_jax.selection import select_active_rows
-    return select_active_rows, sparse_backward
-  except ModuleNotFoundError as error:
-    if error.name != "flax":
-      raise
-  root = pathlib.Path(__file__).resolve().parent.parent / "sebp_jax"
-  modules = {}
-  for name in ("selection", "backends"):
-    spec = importlib.util.spec_from_file_location(f"sebp_jax_{name}",
-                                                  root / f"{name}.py")
-    modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(modules[name])
-  return (modules["selection"].select_active_rows,
-          modules["backends"].sparse_backward)
 
 
 # ---------------------------------------------------------------------------
@@ -153,9 +131,19 @@ def dense_backward(x, kernel, bias, dy):
   return vjp(dy)
 
 
-def make_sparse_backward(backend: str, index_mode: str, top_n: int):
-  select_active_rows, sparse_backward = _load_sebp()
-  if index_mode == "selected":
+def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
+  """The backward as ``sebp_linear`` runs it; ``"auto"`` resolves (possibly to the dense
+  backward) with the library's own :func:`choose_backend`, from the static shapes."""
+  top_n = case.num_kept
+  backend = choose_backend(backend, num_rows=case.num_rows, in_features=case.d,
+                           out_features=case.n, top_n=top_n,
+                           itemsize=jnp.dtype(case.dtype).itemsize,
+                           index_given=index_mode == "given")
+  if backend == "dense":
+    def run(x, kernel, dy, *unused_rows):
+      _, vjp = jax.vjp(lambda x_, k_: x_ @ k_, x, kernel)
+      return (*vjp(dy), jnp.sum(dy, axis=0))
+  elif index_mode == "selected":
     def run(x, kernel, dy):
       active_rows = select_active_rows(dy, top_n, 0.0)
       return sparse_backward(x, kernel, dy, active_rows, with_bias=True,
@@ -195,7 +183,7 @@ def _variants(case: Case):
   yield "dense", None, dense_backward, (x, kernel, bias, dy)
   for backend in SPARSE_BACKENDS:
     for index_mode in INDEX_MODES:
-      fn = make_sparse_backward(backend, index_mode, case.num_kept)
+      fn = make_sparse_backward(backend, index_mode, case)
       args = (x, kernel, dy) + ((rows,) if index_mode == "given" else ())
       yield backend, index_mode, fn, args
 
@@ -329,8 +317,9 @@ def main(argv=None):
 
 
 def print_table(records):
-  """One line per case: times; speedups over dense (index selected); Pallas
-  over XLA (selected, then given); Pallas (selected) time over its roofline."""
+  """One line per case: times; speedups over dense (index selected, and auto
+  selected / given); Pallas over XLA (selected, then given); Pallas (selected)
+  time over its roofline."""
   by_case = {}
   for r in records:
     key = (r["shape"], r["tokens"], r["kept_percent"])
@@ -338,7 +327,7 @@ def print_table(records):
   header = (f"{'shape':>10} {'T':>6} {'kept':>4} | {'dense':>7} "
             f"{'xla-sel':>7} {'pal-sel':>7} {'xla-giv':>7} {'pal-giv':>7} ms | "
             f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal':>7} "
-            f"{'xla/pal':>7} {'pal/roof':>8}")
+            f"{'xla/pal':>7} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8}")
   print(header)
   print("-" * len(header))
   for (shape, tokens, kept), v in by_case.items():
@@ -350,7 +339,9 @@ def print_table(records):
           f"{v['pallas', 'selected']['speedup_over_dense']:8.2f}x "
           f"{ms['xla', 'selected'] / ms['pallas', 'selected']:6.2f}x "
           f"{ms['xla', 'given'] / ms['pallas', 'given']:6.2f}x "
-          f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x")
+          f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x | "
+          f"{v['auto', 'selected']['speedup_over_dense']:7.2f}x "
+          f"{v['auto', 'given']['speedup_over_dense']:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Modes:
   dense          fixed padding, dense backward
   sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch)
   sebp_shared    fixed padding, SEBP with one index from the attention mask
+  sebp_floor     fixed padding, SEBP with a shared index of only 16 rows: the fixed cost of
+                 the SEBP path (not a valid gradient; a diagnostic)
   bound          fixed padding, backward with every swapped linear layer's matmuls removed
                  (dX still written as zeros): no SEBP backward can be faster than this
   longest_dense  batch padded only to its longest sequence (rounded up to 64), dense
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from tqdm import tqdm
 
 from sebp_jax import use_sebp
@@ -43,7 +46,9 @@ from sebp_jax.intercept import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
 from sebp_jax.losses import masked_causal_lm_loss
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
-MODES = ("dense", "sebp_layer", "sebp_shared", "bound", "longest_dense", "longest_sebp")
+MODES = ("dense", "sebp_layer", "sebp_shared", "sebp_floor", "bound", "longest_dense",
+         "longest_sebp")
+FLOOR_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +118,11 @@ def _fwd(x, y):
 
 
 def _bwd(x, dy):
-  # dX is still written (zeros); no dY @ W.T, no X.T @ dY.
-  return jnp.zeros_like(x), jnp.zeros_like(dy)
+  # dX is still written; no dY @ W.T, no X.T @ dY. dX must read dY (one cheap reduction) and
+  # not be a known zero: otherwise XLA removes, as dead or zero, the work that produces dY
+  # (e.g. the whole attention backward behind q/k/v) and the bound drops far too low.
+  touched = (jnp.sum(dy, dtype=jnp.float32) * 0).astype(x.dtype)
+  return lax.optimization_barrier(jnp.zeros_like(x)) + touched, jnp.zeros_like(dy)
 
 
 _without_backward_matmuls.defvjp(_fwd, _bwd)
@@ -139,12 +147,13 @@ def linear_backward_removed():
     yield
 
 
-def make_loss(kind: str, model, mode: str, top_n: int):
+def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
   def context(batch):
-    if mode in ("sebp_shared", "longest_sebp"):
-      return use_sebp(top_n=top_n, active_mask=batch["attention_mask"])
+    if mode in ("sebp_shared", "longest_sebp", "sebp_floor"):
+      return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, backend=backend,
+                      active_mask=batch["attention_mask"])
     if mode == "sebp_layer":
-      return use_sebp(top_n=top_n)
+      return use_sebp(top_n=top_n, backend=backend)
     if mode == "bound":
       return linear_backward_removed()
     return contextlib.nullcontext()
@@ -179,7 +188,7 @@ def peak_bytes(compiled) -> int | None:
              + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
 
 
-def run(kind: str, modes, repeats: int, tiny: bool, seed: int):
+def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
   setup = SETUPS[kind]
   if tiny:
     setup = dataclasses.replace(setup, batch_size=4, length=64)
@@ -192,7 +201,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int):
   rows = []
   for mode in tqdm(modes, desc=kind, file=sys.stdout):
     mode_batch = cut_to_longest(batch) if mode.startswith("longest") else batch
-    loss_fn = make_loss(kind, model, mode, top_n)
+    loss_fn = make_loss(kind, model, mode, top_n, backend)
 
     def step(params, opt_state, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -211,6 +220,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int):
         "forward_ms": forward_ms, "backward_ms": grad_ms - forward_ms, "step_ms": step_ms,
         "peak_bytes": peak_bytes(compiled_step), "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "compute_dtype": "bfloat16", "repeats": repeats,
+        "backend": backend,
     })
   dense = next((r for r in rows if r["mode"] == "dense"), None)
   for row in rows:
@@ -243,6 +253,8 @@ def main(argv=None) -> list[dict]:
                       help="model(s) to run (default: all)")
   parser.add_argument("--modes", default=",".join(MODES),
                       help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
+                      help="SEBP backend of the sebp_* modes")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
@@ -256,7 +268,7 @@ def main(argv=None) -> list[dict]:
     parser.error("--repeats must be positive")
   rows = []
   for kind in args.model or sorted(SETUPS):
-    rows += run(kind, modes, args.repeats, args.tiny, args.seed)
+    rows += run(kind, modes, args.repeats, args.tiny, args.seed, args.backend)
   print_table(rows)
   if args.out:
     with open(args.out, "a") as f:

@@ -16,6 +16,7 @@ by gathering inside its kernels (see ``pallas_kernels/``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -25,6 +26,8 @@ from jax import lax
 Array = jax.Array
 Backend = Literal["xla", "pallas"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas")
+#: What ``backend=`` accepts: a backend, or "auto" (see :func:`choose_backend`).
+BACKEND_CHOICES: tuple[str, ...] = ("auto", *BACKENDS)
 
 
 def _gather_rows(a: Array, rows: Array) -> Array:
@@ -91,3 +94,85 @@ def sparse_backward(x: Array, kernel: Array, dy: Array, active_rows: Array, *,
     return pallas_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
                                   precision=precision)
   raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCostModel:
+  """Predicted seconds of one linear layer's backward on a GPU, dense vs SEBP.
+
+  Rates measured on an H200 with jax 0.11.2, bf16 (``benchmarks/RESULTS.md``): cuBLAS reaches
+  ~780 TFLOP/s on the dense backward, the Pallas gathered kernels 340-520 TFLOP/s, a device
+  copy 2.9 TB/s; the fixed costs are what small shapes showed on top of that. The dense
+  backward overlaps its bytes with its FLOPs (a max); the SEBP one is modelled additively.
+  """
+  dense_flops_per_s: float = 7.8e14
+  sparse_flops_per_s: float = 4.0e14
+  bytes_per_s: float = 2.9e12
+  dense_fixed_s: float = 3e-5
+  sparse_fixed_s: float = 3e-5
+  selection_fixed_s: float = 4e-5
+  #: SEBP must be predicted this much faster: near a tie, dense is exact and simpler.
+  margin: float = 1.1
+  #: From this many kernel elements (in x out) up the Pallas kernels beat the XLA gather /
+  #: dot / scatter inside a model; below it XLA, which fuses the small ops around them, wins.
+  #: Measured in-model (shared index, H200): BERT-base (768x768, 768x3072) backward 1.41x
+  #: with XLA vs 1.09x with Pallas; Llama-1B shapes (2048x2048 and up) 1.30x vs 1.22x.
+  pallas_min_kernel_elements: int = 2048 * 2048
+
+  def dense_seconds(self, num_rows, in_features, out_features, itemsize) -> float:
+    flops = 4 * num_rows * in_features * out_features
+    # Reads dY twice, X and W once; writes dX and dW.
+    moved = itemsize * (2 * num_rows * out_features + 2 * num_rows * in_features
+                        + 2 * in_features * out_features)
+    return self.dense_fixed_s + max(flops / self.dense_flops_per_s, moved / self.bytes_per_s)
+
+  def sparse_seconds(self, num_rows, in_features, out_features, top_n, itemsize,
+                     index_given) -> float:
+    flops = 4 * top_n * in_features * out_features
+    # Kept rows of dY (twice) and X, W, dW, and the whole of dX (its zero rows are written).
+    moved = itemsize * (2 * top_n * out_features + top_n * in_features
+                        + 2 * in_features * out_features + num_rows * in_features)
+    seconds = self.sparse_fixed_s + flops / self.sparse_flops_per_s + moved / self.bytes_per_s
+    if not index_given:  # scoring reads all of dY once
+      seconds += self.selection_fixed_s + itemsize * num_rows * out_features / self.bytes_per_s
+    return seconds
+
+  def sparse_wins(self, num_rows, in_features, out_features, top_n, itemsize,
+                  index_given) -> bool:
+    sparse = self.sparse_seconds(num_rows, in_features, out_features, top_n, itemsize,
+                                 index_given)
+    return sparse * self.margin < self.dense_seconds(num_rows, in_features, out_features,
+                                                     itemsize)
+
+
+GPU_COST_MODEL = GpuCostModel()
+
+
+def choose_backend(backend: str, *, num_rows: int, in_features: int, out_features: int,
+                   top_n: int, itemsize: int, index_given: bool,
+                   platform: str | None = None) -> str:
+  """The backward to run for one layer: ``"dense"``, ``"xla"`` or ``"pallas"``.
+
+  With ``top_n >= num_rows`` and no index given nothing can be skipped: dense. An explicit
+  backend is kept otherwise. ``"auto"`` picks, from static shapes only:
+
+  * on GPU, SEBP where :class:`GpuCostModel` predicts it ahead of the dense backward (the
+    Pallas kernels for large layers, the jnp version for small ones), and the dense backward
+    elsewhere (it keeps every row, so its gradient is the exact one; SEBP cannot win on small
+    layers at high kept fractions);
+  * elsewhere (CPU, where Pallas only runs interpreted), the jnp reference.
+  """
+  if backend not in BACKEND_CHOICES:
+    raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
+  if top_n >= num_rows and not index_given:
+    return "dense"
+  if backend != "auto":
+    return backend
+  if (platform or jax.default_backend()) != "gpu":
+    return "xla"
+  if not GPU_COST_MODEL.sparse_wins(num_rows, in_features, out_features, top_n, itemsize,
+                                    index_given):
+    return "dense"
+  if in_features * out_features >= GPU_COST_MODEL.pallas_min_kernel_elements:
+    return "pallas"
+  return "xla"

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from sebp_jax.layers import SEBPDense, resolve_top_n, sebp_dense_call
-from sebp_jax.ops import resolve_backend, validate_threshold
+from sebp_jax.ops import validate_backend, validate_threshold
 from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
@@ -94,7 +94,7 @@ class use_sebp:
     self.include = re.compile(include)
     self.exclude = re.compile(exclude) if exclude else None
     self.active_mask = active_mask
-    self.backend = resolve_backend(backend)
+    self.backend = validate_backend(backend)
     self.require_swaps = require_swaps
     self.report = SEBPReport()
     self._contexts: list[contextlib.ExitStack] = []

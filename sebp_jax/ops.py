@@ -12,7 +12,8 @@ Why the choices:
   compiles once, and no host round trip is needed to learn how many rows are active.
 * Residuals are the forward's own inputs (x and kernel), exactly what the dense backward keeps:
   no extra memory beyond the ``[top_n]`` index and the ``[top_n, *]`` gathered blocks.
-* With ``top_n >= T`` nothing can be skipped, and the plain dense backward runs.
+* With ``top_n >= T`` nothing can be skipped, and the plain dense backward runs; on GPU,
+  ``backend="auto"`` also runs it where SEBP is predicted slower (small layers, many rows).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flax.linen.dtypes import promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from sebp_jax.backends import BACKENDS, sparse_backward
+from sebp_jax.backends import BACKEND_CHOICES, choose_backend, sparse_backward
 from sebp_jax.selection import select_active_rows
 
 Array = jax.Array
@@ -108,7 +109,10 @@ def _sebp_linear_fwd(x, kernel, bias, active_rows, config: SEBPConfig):
 def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
   x, kernel, bias, active_rows = residuals
   num_rows = math.prod(x.shape[:-1])
-  if active_rows is None and config.top_n >= num_rows:
+  backend = choose_backend(config.backend, num_rows=num_rows, in_features=kernel.shape[0],
+                           out_features=kernel.shape[1], top_n=config.top_n,
+                           itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
+  if backend == "dense":
     _, dense_vjp = jax.vjp(functools.partial(_dense_forward, precision=config.precision),
                            x, kernel, bias)
     return (*dense_vjp(dy), None)
@@ -118,7 +122,7 @@ def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
     active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
   dx, dkernel, dbias = sparse_backward(
       x2d, kernel, dy2d, active_rows, with_bias=config.with_bias,
-      precision=config.precision, backend=config.backend)
+      precision=config.precision, backend=backend)
   grads = (dx.reshape(x.shape), dkernel, None if dbias is None else dbias.astype(bias.dtype))
   # JAX would silently accept a cotangent of another dtype; a mismatch here is a backend bug.
   for grad, primal, name in zip(grads, (x, kernel, bias), ("x", "kernel", "bias")):
@@ -131,15 +135,9 @@ def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
 
 
-def resolve_backend(backend: str) -> str:
-  """Maps ``"auto"`` to a concrete backend for the current platform.
-
-  The jnp reference is the default everywhere: on CPU the Pallas kernels only run interpreted.
-  """
-  if backend == "auto":
-    return "xla"
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+def validate_backend(backend: Any) -> str:
+  if backend not in BACKEND_CHOICES:
+    raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
   return backend
 
 
@@ -157,7 +155,10 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
     threshold: a row of dY is active when its max ``|value|`` exceeds this (0.0: any
       non-zero). Rows with NaN or Inf are always active and kept first.
     precision: ``lax.Precision`` of the forward and backward dots, as in ``nn.Dense``.
-    backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    backend: ``"xla"`` (jnp reference), ``"pallas"`` (kernels; Triton on GPU, interpreted
+      elsewhere) or ``"auto"``: on GPU the Pallas kernels where a cost model of the layer's
+      static shapes predicts SEBP ahead, else the dense backward (all rows kept, exact); on
+      other platforms ``"xla"``. See :func:`sebp_jax.backends.choose_backend`.
     active_rows: optional ``int32[top_n]`` index of the rows to keep, sorted and padded with the
       sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`). Given, the backward
       skips scoring dY and uses it as is, so several layers can share one selection.
@@ -171,7 +172,7 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   """
   top_n = validate_top_n(top_n)
   threshold = validate_threshold(threshold)
-  backend = resolve_backend(backend)
+  backend = validate_backend(backend)
   x, kernel, bias = (None if a is None else jnp.asarray(a) for a in (x, kernel, bias))
   _check_shapes(x, kernel, bias)
   x, kernel, bias = promote_dtype(x, kernel, bias)
