@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import pathlib
 import sys
 import time
@@ -12,7 +14,43 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from sebp_jax import use_sebp
+
 LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
+
+
+def parse_training_args(doc: str, argv, *, steps: int, batch_size: int, max_length: int,
+                        learning_rate: float, weight_decay: float, timing_repeats: int,
+                        out: str, extra=None) -> argparse.Namespace:
+  """The command line both examples share (defaults per example); ``extra(parser)`` adds more.
+  Every count must be positive."""
+  parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
+  parser.add_argument("--batch-size", type=int, default=batch_size)
+  parser.add_argument("--max-length", type=int, default=max_length, help="fixed padded length")
+  parser.add_argument("--learning-rate", type=float, default=learning_rate)
+  parser.add_argument("--weight-decay", type=float, default=weight_decay)
+  parser.add_argument("--timing-repeats", type=int, default=timing_repeats,
+                      help="repeats of the side-by-side forward/backward timing")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--data-dir", default=None,
+                      help="folder holding sst2/ and wikitext2/ (default: found shared/data)")
+  parser.add_argument("--out", default=out, help="folder for the plot and summary")
+  if extra:
+    extra(parser)
+  args = parser.parse_args(argv)
+  for name, value in vars(args).items():
+    if isinstance(value, int) and name != "seed" and value <= 0:
+      parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+  return args
+
+
+def sebp_context(top_n: int | None, attention_mask):
+  """``use_sebp`` on the index of the batch's real tokens, or nothing (dense) for None."""
+  if top_n is None:
+    return contextlib.nullcontext()
+  return use_sebp(top_n=top_n, active_mask=attention_mask)
 
 
 def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],

@@ -15,8 +15,6 @@ Prints the loss, the backward-time ratio and the dev accuracy of both runs, and 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import pathlib
 
@@ -25,34 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from common import fit, plot_loss_curves, time_forward_backward
-from sebp_jax import use_sebp
+from common import (fit, parse_training_args, plot_loss_curves, sebp_context,
+                    time_forward_backward)
 from sebp_jax.datasets import batches, encode_fixed_length, load_sst2
 from sebp_jax.pretrained import load_bert_classifier
 
 MODES = ("dense", "sebp")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=int, default=100, help="training steps per run")
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--max-length", type=int, default=128, help="fixed padded length")
-  parser.add_argument("--learning-rate", type=float, default=1e-4)
-  parser.add_argument("--weight-decay", type=float, default=0.01)
-  parser.add_argument("--dev-examples", type=int, default=872,
-                      help="dev sentences to score (GLUE's SST-2 dev set has 872)")
-  parser.add_argument("--timing-repeats", type=int, default=5,
-                      help="repeats of the side-by-side forward/backward timing")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--data-dir", default=None, help="SST-2 folder (default: shared/data/sst2)")
-  parser.add_argument("--out", default="runs/sst2", help="folder for the plot and summary")
-  args = parser.parse_args(argv)
-  for name in ("steps", "batch_size", "max_length", "dev_examples", "timing_repeats"):
-    if getattr(args, name) <= 0:
-      parser.error(f"--{name.replace('_', '-')} must be positive")
-  return args
+def parse_args(argv=None):
+  def dev_examples(parser):
+    parser.add_argument("--dev-examples", type=int, default=872,
+                        help="dev sentences to score (GLUE's SST-2 dev set has 872)")
+  return parse_training_args(__doc__, argv, steps=100, batch_size=32, max_length=128,
+                             learning_rate=1e-4, weight_decay=0.01, timing_repeats=5,
+                             out="runs/sst2", extra=dev_examples)
 
 
 def make_loss(model, sebp_top_n: int | None):
@@ -60,9 +45,7 @@ def make_loss(model, sebp_top_n: int | None):
   index of the batch's real tokens (exact: padding rows of dY are zero in BERT classification).
   Dropout is off: the run is short, and dense and SEBP then see identical forwards."""
   def loss_fn(params, batch):
-    ctx = (use_sebp(top_n=sebp_top_n, active_mask=batch["attention_mask"])
-           if sebp_top_n else contextlib.nullcontext())
-    with ctx:
+    with sebp_context(sebp_top_n, batch["attention_mask"]):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
@@ -90,12 +73,13 @@ def main(argv=None) -> dict:
   out.mkdir(parents=True, exist_ok=True)
 
   model, initial_params, tokenizer = load_bert_classifier(num_labels=2, seed=args.seed)
-  train = load_sst2("train", data_dir=args.data_dir)
+  sst2_dir = None if args.data_dir is None else pathlib.Path(args.data_dir) / "sst2"
+  train = load_sst2("train", data_dir=sst2_dir)
   order = np.random.default_rng(args.seed).permutation(len(train))[:args.steps * args.batch_size]
   train_sentences = [train[i] for i in order]
   train_arrays = encode_fixed_length(tokenizer, [s for s, _ in train_sentences], args.max_length)
   train_arrays["labels"] = np.array([label for _, label in train_sentences], np.int32)
-  dev_sentences = load_sst2("dev", data_dir=args.data_dir, limit=args.dev_examples)
+  dev_sentences = load_sst2("dev", data_dir=sst2_dir, limit=args.dev_examples)
   dev = encode_fixed_length(tokenizer, [s for s, _ in dev_sentences], args.max_length)
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
   train_batches = list(batches(train_arrays, args.batch_size, seed=args.seed, shuffle=False))

@@ -16,8 +16,6 @@ Prints the loss of both runs and the backward-time ratio; writes ``loss_curves.p
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import pathlib
 
@@ -25,8 +23,8 @@ import jax
 import numpy as np
 import optax
 
-from common import fit, plot_loss_curves, time_forward_backward
-from sebp_jax import use_sebp
+from common import (fit, parse_training_args, plot_loss_curves, sebp_context,
+                    time_forward_backward)
 from sebp_jax.datasets import batches, encode_fixed_length, load_wikitext2
 from sebp_jax.losses import masked_causal_lm_loss
 from sebp_jax.pretrained import load_smollm2
@@ -34,32 +32,16 @@ from sebp_jax.pretrained import load_smollm2
 MODES = ("dense", "sebp")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--steps", type=int, default=30, help="training steps per run")
-  parser.add_argument("--batch-size", type=int, default=4)
-  parser.add_argument("--max-length", type=int, default=256, help="fixed padded length")
-  parser.add_argument("--learning-rate", type=float, default=3e-5)
-  parser.add_argument("--weight-decay", type=float, default=0.0)
-  parser.add_argument("--timing-repeats", type=int, default=3)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--data-dir", default=None,
-                      help="folder holding wikitext2/ (default: shared/data)")
-  parser.add_argument("--out", default="runs/llama", help="folder for the plot and summary")
-  args = parser.parse_args(argv)
-  for name in ("steps", "batch_size", "max_length", "timing_repeats"):
-    if getattr(args, name) <= 0:
-      parser.error(f"--{name.replace('_', '-')} must be positive")
-  return args
+def parse_args(argv=None):
+  return parse_training_args(__doc__, argv, steps=30, batch_size=4, max_length=256,
+                             learning_rate=3e-5, weight_decay=0.0, timing_repeats=3,
+                             out="runs/llama")
 
 
 def make_loss(model, sebp_top_n: int | None):
   """Masked next-token loss; with ``sebp_top_n``, the projections run SEBP on the shared index."""
   def loss_fn(params, batch):
-    ctx = (use_sebp(top_n=sebp_top_n, active_mask=batch["attention_mask"])
-           if sebp_top_n else contextlib.nullcontext())
-    with ctx:
+    with sebp_context(sebp_top_n, batch["attention_mask"]):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"])
@@ -72,7 +54,8 @@ def main(argv=None) -> dict:
   out.mkdir(parents=True, exist_ok=True)
 
   model, initial_params, tokenizer = load_smollm2()
-  paragraphs = load_wikitext2(data_dir=args.data_dir)
+  paragraphs = load_wikitext2(
+      data_dir=None if args.data_dir is None else pathlib.Path(args.data_dir) / "wikitext2")
   order = np.random.default_rng(args.seed).permutation(len(paragraphs))
   chosen = [paragraphs[i] for i in order[:args.steps * args.batch_size]]
   arrays = encode_fixed_length(tokenizer, chosen, args.max_length)
