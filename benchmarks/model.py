@@ -67,6 +67,12 @@ SETUPS = {
 }
 
 
+def setup_for(kind: str, tiny: bool) -> Setup:
+  """The benchmark shapes of ``kind``; toy batch shapes with ``tiny``."""
+  setup = SETUPS[kind]
+  return dataclasses.replace(setup, batch_size=4, length=64) if tiny else setup
+
+
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
   from transformers import (BertConfig, FlaxBertForSequenceClassification,
@@ -189,9 +195,7 @@ def peak_bytes(compiled) -> int | None:
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
-  setup = SETUPS[kind]
-  if tiny:
-    setup = dataclasses.replace(setup, batch_size=4, length=64)
+  setup = setup_for(kind, tiny)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
   batch = make_batch(kind, model, setup, seed)

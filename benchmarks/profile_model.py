@@ -16,10 +16,9 @@ import pathlib
 import tempfile
 
 import jax
-
-from benchmarks.model import SETUPS, build_model, make_batch, make_loss
-
 import jax.numpy as jnp
+
+from benchmarks.model import SETUPS, build_model, make_batch, make_loss, setup_for
 
 
 def device_time_by_name(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
@@ -47,11 +46,8 @@ def main(argv=None):
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
 
-  setup = SETUPS[args.model]
+  setup = setup_for(args.model, args.tiny)
   model = build_model(args.model, args.tiny, jnp.bfloat16)
-  if args.tiny:
-    import dataclasses
-    setup = dataclasses.replace(setup, batch_size=4, length=64)
   batch = make_batch(args.model, model, setup, 0)
   top_n = int(batch["attention_mask"].sum())
   report = {}

@@ -35,7 +35,7 @@ def parse_args(argv=None):
   def dev_examples(parser):
     parser.add_argument("--dev-examples", type=int, default=872,
                         help="dev sentences to score (GLUE's SST-2 dev set has 872)")
-  return parse_training_args(__doc__, argv, steps=100, batch_size=32, max_length=128,
+  return parse_training_args(__doc__, argv, steps=70, batch_size=32, max_length=128,
                              learning_rate=1e-4, weight_decay=0.01, timing_repeats=5,
                              out="runs/sst2", extra=dev_examples)
 

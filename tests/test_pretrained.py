@@ -19,7 +19,6 @@ import pytest
 from sebp_jax.datasets import encode_fixed_length, load_sst2, load_wikitext2
 from sebp_jax.pretrained import (
     _undo_rope_row_permutation,
-    load_bert_classifier,
     load_smollm2,
 )
 
