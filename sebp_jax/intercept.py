@@ -78,7 +78,8 @@ class use_sebp:
       leading shape reuses it instead of scoring dY itself. Exact when the gradient rows of the
       masked tokens are exactly zero: BERT classification (attention masks padding keys, the
       loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
-      the loss or a pooling reads padding positions, or when a real token is masked out.
+      the loss or a pooling reads padding positions, or when a real token is masked out. A
+      NaN/Inf in a masked-out row of dY makes that layer's dW NaN rather than vanish.
     backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
     require_swaps: raise when the context ends without having swapped any layer (the sign of
       an already-compiled function, or of patterns that match nothing).

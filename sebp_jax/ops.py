@@ -118,11 +118,16 @@ def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
     return (*dense_vjp(dy), None)
   x2d = x.reshape(num_rows, x.shape[-1])
   dy2d = dy.reshape(num_rows, dy.shape[-1])
-  if active_rows is None:
+  index_given = active_rows is not None
+  if not index_given:
     active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
   dx, dkernel, dbias = sparse_backward(
       x2d, kernel, dy2d, active_rows, with_bias=config.with_bias,
       precision=config.precision, backend=backend)
+  if index_given:
+    # A given index never looked at dY: a NaN/Inf in a row it skips would vanish. Poison dW
+    # instead (as the dense dW would be), for one fused read of dY.
+    dkernel = jnp.where(jnp.all(jnp.isfinite(dy2d)), dkernel, jnp.nan).astype(dkernel.dtype)
   grads = (dx.reshape(x.shape), dkernel, None if dbias is None else dbias.astype(bias.dtype))
   # JAX would silently accept a cotangent of another dtype; a mismatch here is a backend bug.
   for grad, primal, name in zip(grads, (x, kernel, bias), ("x", "kernel", "bias")):
@@ -161,7 +166,8 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
       other platforms ``"xla"``. See :func:`sebp_jax.backends.choose_backend`.
     active_rows: optional ``int32[top_n]`` index of the rows to keep, sorted and padded with the
       sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`). Given, the backward
-      skips scoring dY and uses it as is, so several layers can share one selection.
+      skips scoring dY and uses it as is, so several layers can share one selection; it still
+      reads dY once to check it is finite, and makes dW NaN where a skipped row was not.
 
   Returns:
     ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype

@@ -239,3 +239,22 @@ def test_property_gradients_match_reference(lead, in_features, out_features, dat
   np.testing.assert_allclose(dx.reshape(num_rows, in_features), ref[0], rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(dkernel, ref[1], rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(dbias, ref[2], rtol=1e-4, atol=1e-5)
+
+
+def test_nan_in_a_row_outside_a_given_index_poisons_dkernel():
+  rng = np.random.default_rng(12)
+  x, kernel, bias, g = _problem(rng, (16,), 6, 5, num_nonzero=4)
+  kept = np.flatnonzero(g.any(axis=1))
+  skipped = int(np.setdiff1d(np.arange(16), kept)[0])
+  active_rows = jnp.asarray(kept, jnp.int32)
+
+  def grads(g):
+    loss = lambda x, k, b: jnp.sum(sebp_linear(x, k, b, top_n=4, active_rows=active_rows) * g)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, bias)
+
+  clean = grads(g)
+  ref = reference_backward(x, kernel, g, kept)
+  for got, want in zip(clean, ref):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  g[skipped, 1] = np.nan
+  assert np.isnan(np.asarray(grads(g)[1])).all()
