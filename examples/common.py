@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import pathlib
 import sys
 import time
@@ -121,3 +122,19 @@ def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], tit
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def backward_speedup(timings: dict[str, dict[str, float]], repeats: int) -> float:
+  """Prints and returns dense / SEBP backward time from :func:`time_forward_backward`."""
+  ratio = timings["dense"]["backward_s"] / timings["sebp"]["backward_s"]
+  step = timings["dense"]["forward_backward_s"] / timings["sebp"]["forward_backward_s"]
+  print(f"backward time, dense / SEBP: {ratio:.2f}x (forward + backward: {step:.2f}x; "
+        f"{jax.devices()[0].device_kind}, median of {repeats})")
+  return ratio
+
+
+def save_run(out: pathlib.Path, summary: dict, labels: dict[str, str], title: str) -> None:
+  """Writes ``summary.json`` and ``loss_curves.png`` (from ``summary["losses"]``) under out."""
+  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  plot_loss_curves(summary["losses"], labels, title, out / "loss_curves.png")
+  print(f"wrote {out / 'summary.json'} and {out / 'loss_curves.png'}")

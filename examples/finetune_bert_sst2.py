@@ -15,7 +15,6 @@ Prints the loss, the backward-time ratio and the dev accuracy of both runs, and 
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from common import (fit, parse_training_args, plot_loss_curves, sebp_context,
+from common import (backward_speedup, fit, parse_training_args, save_run, sebp_context,
                     time_forward_backward)
 from sebp_jax.datasets import batches, encode_fixed_length, load_sst2
 from sebp_jax.pretrained import load_bert_classifier
@@ -105,10 +104,7 @@ def main(argv=None) -> dict:
 
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
-  backward_ratio = timings["dense"]["backward_s"] / timings["sebp"]["backward_s"]
-  step_ratio = timings["dense"]["forward_backward_s"] / timings["sebp"]["forward_backward_s"]
-  print(f"backward time, dense / SEBP: {backward_ratio:.2f}x (forward + backward: "
-        f"{step_ratio:.2f}x; {jax.devices()[0].device_kind}, median of {args.timing_repeats})")
+  backward_ratio = backward_speedup(timings, args.timing_repeats)
 
   summary = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "steps": len(train_batches),
@@ -120,12 +116,10 @@ def main(argv=None) -> dict:
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
       "losses": {mode: results[mode]["losses"] for mode in MODES},
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
-  plot_loss_curves(
-      summary["losses"], {m: f"{m} (dev acc {summary[f'{m}_dev_accuracy']:.1%})" for m in MODES},
-      f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; "
-      f"SEBP backward {backward_ratio:.2f}x faster", out / "loss_curves.png")
-  print(f"wrote {out / 'summary.json'} and {out / 'loss_curves.png'}")
+  save_run(out, summary,
+           {m: f"{m} (dev acc {summary[f'{m}_dev_accuracy']:.1%})" for m in MODES},
+           f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; "
+           f"SEBP backward {backward_ratio:.2f}x faster")
   return summary
 
 

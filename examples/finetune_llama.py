@@ -16,14 +16,13 @@ Prints the loss of both runs and the backward-time ratio; writes ``loss_curves.p
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
 import numpy as np
 import optax
 
-from common import (fit, parse_training_args, plot_loss_curves, sebp_context,
+from common import (backward_speedup, fit, parse_training_args, save_run, sebp_context,
                     time_forward_backward)
 from sebp_jax.datasets import batches, encode_fixed_length, load_wikitext2
 from sebp_jax.losses import masked_causal_lm_loss
@@ -79,9 +78,7 @@ def main(argv=None) -> dict:
 
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
-  backward_ratio = timings["dense"]["backward_s"] / timings["sebp"]["backward_s"]
-  print(f"backward time, dense / SEBP: {backward_ratio:.2f}x "
-        f"({jax.devices()[0].device_kind}, median of {args.timing_repeats})")
+  backward_ratio = backward_speedup(timings, args.timing_repeats)
   gap = max(abs(a - b) for a, b in zip(losses["dense"], losses["sebp"]))
   print(f"largest per-step loss difference dense vs SEBP: {gap:.2e}")
 
@@ -93,11 +90,9 @@ def main(argv=None) -> dict:
       "backward_speedup": backward_ratio, "timings": timings,
       "max_loss_difference": gap, "losses": losses,
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
-  plot_loss_curves(losses, {m: m for m in MODES},
-                   f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
-                   f"SEBP backward {backward_ratio:.2f}x faster", out / "loss_curves.png")
-  print(f"wrote {out / 'summary.json'} and {out / 'loss_curves.png'}")
+  save_run(out, summary, {m: m for m in MODES},
+           f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
+           f"SEBP backward {backward_ratio:.2f}x faster")
   return summary
 
 
