@@ -10,10 +10,12 @@ Modes:
   dense          fixed padding, dense backward
   sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch)
   sebp_shared    fixed padding, SEBP with one index from the attention mask
+  sebp_dense_only  the same, with the embedding lookups left dense (SEBP on Dense layers only)
   sebp_floor     fixed padding, SEBP with a shared index of only 16 rows: the fixed cost of
                  the SEBP path (not a valid gradient; a diagnostic)
   bound          fixed padding, backward with every swapped linear layer's matmuls removed
-                 (dX still written as zeros): no SEBP backward can be faster than this
+                 (dX still written as zeros) and the embeddings on SEBP's shared index: no SEBP
+                 backward can be faster than this
   longest_dense  batch padded only to its longest sequence (rounded up to 64), dense
   longest_sebp   the same, SEBP with the shared index
 
@@ -41,13 +43,14 @@ import optax
 from jax import lax
 from tqdm import tqdm
 
+from benchmarks.records import append_json_lines
 from sebp_jax import use_sebp
 from sebp_jax.intercept import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
 from sebp_jax.losses import masked_causal_lm_loss
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
-MODES = ("dense", "sebp_layer", "sebp_shared", "sebp_floor", "bound", "longest_dense",
-         "longest_sebp")
+MODES = ("dense", "sebp_layer", "sebp_shared", "sebp_dense_only", "sebp_floor", "bound",
+         "longest_dense", "longest_sebp")
 FLOOR_ROWS = 16
 
 
@@ -155,13 +158,18 @@ def linear_backward_removed():
 
 def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
   def context(batch):
-    if mode in ("sebp_shared", "longest_sebp", "sebp_floor"):
+    mask = batch["attention_mask"]
+    if mode in ("sebp_shared", "longest_sebp", "sebp_floor", "sebp_dense_only"):
       return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, backend=backend,
-                      active_mask=batch["attention_mask"])
+                      active_mask=mask, embeddings=mode != "sebp_dense_only")
     if mode == "sebp_layer":
       return use_sebp(top_n=top_n, backend=backend)
     if mode == "bound":
-      return linear_backward_removed()
+      stack = contextlib.ExitStack()
+      stack.enter_context(linear_backward_removed())
+      # The embeddings as SEBP runs them (no Dense layer matches the include pattern).
+      stack.enter_context(use_sebp(top_n=top_n, active_mask=mask, include=r"(?!)"))
+      return stack
     return contextlib.nullcontext()
 
   def loss_fn(params, batch):
@@ -237,12 +245,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':6} {'mode':14} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} "
+  header = (f"{'model':6} {'mode':15} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} "
             f"{'bwd x':>6} {'step x':>6} {'mem/dense':>9}")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['model']:6} {r['mode']:14} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
+    print(f"{r['model']:6} {r['mode']:15} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
           f"{r['backward_ms']:8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('step_speedup_vs_dense', float('nan')):6.2f} "
@@ -274,10 +282,7 @@ def main(argv=None) -> list[dict]:
   for kind in args.model or sorted(SETUPS):
     rows += run(kind, modes, args.repeats, args.tiny, args.seed, args.backend)
   print_table(rows)
-  if args.out:
-    with open(args.out, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+  append_json_lines(args.out, rows)
   return rows
 
 

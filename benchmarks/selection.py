@@ -15,7 +15,6 @@ ranked), it times
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.records import append_json_lines
 from sebp_jax.selection import row_scores, select_active_rows
 
 
@@ -81,9 +81,7 @@ def main(argv=None):
                           "jax_version": jax.__version__})
         print(f"{num_rows:6d} {width:5d} {regime:8} "
               + " ".join(f"{times[v]:12.4f}" for v in VARIANTS))
-  if args.out:
-    with open(args.out, "a") as f:
-      f.writelines(json.dumps(r) + "\n" for r in records)
+  append_json_lines(args.out, records)
 
 
 if __name__ == "__main__":

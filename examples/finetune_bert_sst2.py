@@ -4,7 +4,8 @@
 Sentences are padded to a fixed length (default 128 tokens, while most SST-2 sentences are under
 30), so most rows of every linear layer's output gradient are padding. The SEBP run wraps the
 unmodified transformers model in ``use_sebp(active_mask=attention_mask)``: one index of the real
-tokens, computed once per step, is shared by all 36 encoder Dense layers.
+tokens, computed once per step, is shared by all 36 encoder Dense layers and the three
+embedding lookups.
 
 Prints the loss, the backward-time ratio and the dev accuracy of both runs, and writes
 ``loss_curves.png`` and ``summary.json`` under ``--out``.

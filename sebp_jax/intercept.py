@@ -1,8 +1,9 @@
 """``use_sebp``: run every ``flax.linen.Dense`` of an unmodified model through SEBP.
 
 The interceptor (``flax.linen.intercept_methods``) replaces the ``__call__`` of each selected
-``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call`: same params, same forward, SEBP
-backward. Nothing in the model's code or its params changes.
+``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call` and, unless ``embeddings=False``, of
+each ``nn.Embed`` by :func:`sebp_jax.embedding.sebp_embed_call`: same params, same forward,
+SEBP backward. Nothing in the model's code or its params changes.
 
 It acts while a function is *traced*. A jitted function that was compiled before is not traced
 again, so entering ``use_sebp`` around a call to it would silently run the compiled dense
@@ -24,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sebp_jax.embedding import SEBPEmbed, sebp_embed_call
 from sebp_jax.layers import SEBPDense, resolve_top_n, sebp_dense_call
 from sebp_jax.ops import validate_backend, validate_threshold
 from sebp_jax.selection import active_rows_from_mask
@@ -39,18 +41,26 @@ DEFAULT_EXCLUDE = r"(^|/)(pooler|classifier|lm_head|score|qa_outputs)(/|$)"
 
 @dataclasses.dataclass
 class SEBPReport:
-  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``)."""
+  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``).
+
+  ``swapped`` lists the ``nn.Dense`` layers, ``embeddings`` the ``nn.Embed`` lookups that run
+  with the SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the
+  Dense layers (and embeddings) left dense, with the reason.
+  """
   swapped: list[str] = dataclasses.field(default_factory=list)
+  embeddings: list[str] = dataclasses.field(default_factory=list)
   shared_index: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def num_swapped(self) -> int:
+    """Dense layers swapped (embeddings not counted)."""
     return len(self.swapped)
 
   def summary(self) -> str:
-    return (f"use_sebp: {self.num_swapped} Dense layers swapped "
-            f"({len(self.shared_index)} on the shared mask index), {len(self.skipped)} left dense")
+    return (f"use_sebp: {self.num_swapped} Dense layers and {len(self.embeddings)} embeddings "
+            f"swapped ({len(self.shared_index)} on the shared mask index), "
+            f"{len(self.skipped)} left dense")
 
 
 class use_sebp:
@@ -81,6 +91,9 @@ class use_sebp:
       the loss or a pooling reads padding positions, or when a real token is masked out. A
       NaN/Inf in a masked-out row of dY makes that layer's dW NaN rather than vanish.
     backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
+      gradient is a scatter of the kept rows of dY only (:mod:`sebp_jax.embedding`), same
+      ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     require_swaps: raise when the context ends without having swapped any layer (the sign of
       an already-compiled function, or of patterns that match nothing).
   """
@@ -88,7 +101,7 @@ class use_sebp:
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
                include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
                active_mask: jax.Array | None = None, backend: str = "auto",
-               require_swaps: bool = True):
+               embeddings: bool = True, require_swaps: bool = True):
     resolve_top_n(top_n, 1)  # Validates now rather than inside a trace.
     self.top_n = top_n
     self.threshold = validate_threshold(threshold)
@@ -96,6 +109,7 @@ class use_sebp:
     self.exclude = re.compile(exclude) if exclude else None
     self.active_mask = active_mask
     self.backend = validate_backend(backend)
+    self.embeddings = embeddings
     self.require_swaps = require_swaps
     self.report = SEBPReport()
     self._contexts: list[contextlib.ExitStack] = []
@@ -130,10 +144,10 @@ class use_sebp:
     if exc_type is not None:
       return
     logger.info(self.report.summary())
-    if self.require_swaps and not self.report.swapped:
+    if self.require_swaps and not (self.report.swapped or self.report.embeddings):
       skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
       raise RuntimeError(
-          "use_sebp swapped no Dense layer. If you called a function that jax.jit had already "
+          "use_sebp swapped no layer. If you called a function that jax.jit had already "
           "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
           "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
           f"layer{' (' + skipped + ')' if skipped else ''}.")
@@ -142,24 +156,40 @@ class use_sebp:
     if path not in bucket:
       bucket.append(path)
 
+  def _shared_index_for(self, path: str, num_rows: int) -> tuple[jax.Array | None, Any]:
+    """The shared index and its size for a layer of ``num_rows`` rows, else (None, top_n)."""
+    if self._shared_rows is not None and num_rows == jnp.size(self.active_mask):
+      self._record(self.report.shared_index, path)
+      return self._shared_rows, self._shared_rows.shape[0]
+    return None, self.top_n
+
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     module = context.module
-    if (context.method_name != "__call__" or not isinstance(module, nn.Dense)
-        or isinstance(module, SEBPDense)):
+    is_dense = isinstance(module, nn.Dense) and not isinstance(module, SEBPDense)
+    is_embed = (self.embeddings and isinstance(module, nn.Embed)
+                and not isinstance(module, SEBPEmbed))
+    if context.method_name != "__call__" or not (is_dense or is_embed):
       return next_fun(*args, **kwargs)
     path = "/".join(module.path)
-    if not self.include.search(path) or (self.exclude and self.exclude.search(path)):
-      self.report.skipped[path] = "not selected by include/exclude"
+    if self.exclude and self.exclude.search(path):
+      self.report.skipped[path] = "matched by exclude"
+      return next_fun(*args, **kwargs)
+    (inputs,) = args or (kwargs["inputs"],)
+    if is_embed:
+      if module.num_embeddings == 1:
+        self.report.skipped[path] = "one-row embedding (a broadcast, no lookup)"
+        return next_fun(*args, **kwargs)
+      active_rows, top_n = self._shared_index_for(path, jnp.size(inputs))
+      self._record(self.report.embeddings, path)
+      return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
+                             active_rows=active_rows)
+    if not self.include.search(path):
+      self.report.skipped[path] = "not matched by include"
       return next_fun(*args, **kwargs)
     if module.dot_general is not None or module.dot_general_cls is not None:
       self.report.skipped[path] = "custom dot_general (e.g. fp8/quantized)"
       return next_fun(*args, **kwargs)
-    (inputs,) = args or (kwargs["inputs"],)
-    active_rows, top_n = None, self.top_n
-    if (self._shared_rows is not None
-        and math.prod(jnp.shape(inputs)[:-1]) == jnp.size(self.active_mask)):
-      active_rows, top_n = self._shared_rows, self._shared_rows.shape[0]
-      self._record(self.report.shared_index, path)
+    active_rows, top_n = self._shared_index_for(path, math.prod(jnp.shape(inputs)[:-1]))
     self._record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
                            backend=self.backend, active_rows=active_rows)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import layer, model
+from benchmarks import ablations, layer, model
 
 
 def test_model_benchmark_records(tmp_path):
@@ -30,8 +30,9 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
   setup = model.setup_for("llama", tiny=True)
   llama = model.build_model("llama", tiny=True, dtype=jnp.float32)
   batch = model.make_batch("llama", llama, setup, seed=0)
-  dense = model.make_loss("llama", llama, "dense", 0, "auto")
-  bound = model.make_loss("llama", llama, "bound", 0, "auto")
+  top_n = int(batch["attention_mask"].sum())
+  dense = model.make_loss("llama", llama, "dense", top_n, "auto")
+  bound = model.make_loss("llama", llama, "bound", top_n, "auto")
   assert np.isclose(dense(llama.params, batch), bound(llama.params, batch))
   grads = jax.grad(bound)(llama.params, batch)["model"]
   assert not np.any(grads["layers"]["0"]["mlp"]["up_proj"]["kernel"])
@@ -49,3 +50,25 @@ def test_layer_benchmark_records(tmp_path):
   assert variants == {("dense", None), *((b, i) for b in ("xla", "pallas", "auto")
                                           for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
+
+
+def test_ablation_studies_run_and_agree(tmp_path):
+  out = tmp_path / "ablations.jsonl"
+  dx = ablations.main(["dx", "--tiny", "--repeats", "1", "--out", str(out)])
+  # dX by scatter, by gather and by the Pallas kernels all matched dense inside the study.
+  assert {r["variant"] for r in dx} == {"dense", "xla, dX by gather", "xla, dX by scatter",
+                                        "pallas"}
+  check = ablations.main(["check", "--tiny", "--model", "bert", "--repeats", "1",
+                          "--out", str(out)])
+  assert [r["variant"] for r in check] == ["dense", *ablations.CHECKS]
+  assert all(r["backward_ms"] > 0 and r["mode"] in ("dense", "sebp_shared") for r in check)
+  assert len(out.read_text().splitlines()) == len(dx) + len(check)
+
+
+def test_ablation_checks_flag_exactly_non_finite_input():
+  clean = jnp.ones((6, 4), jnp.bfloat16)
+  for name, check in ablations.CHECKS.items():
+    assert not np.any(np.isnan(check(clean))), name
+    if name != "none":
+      # Scalar checks poison every column, the column sum the non-finite one.
+      assert np.isnan(np.broadcast_to(check(clean.at[3, 1].set(jnp.inf)), (4,))[1]), name

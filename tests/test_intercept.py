@@ -66,9 +66,19 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
   assert report.num_swapped == 12
   assert set(report.skipped) == {"bert/pooler/dense", "classifier"}
   assert "bert/encoder/layer/1/intermediate/dense" in report.swapped
+  assert report.embeddings == [f"bert/embeddings/{name}_embeddings"
+                               for name in ("word", "position", "token_type")]
+  assert "12 Dense layers and 3 embeddings swapped" in report.summary()
   with use_sebp(top_n=4) as report:
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 2 * 7 and "lm_head" in report.skipped
+  assert report.embeddings == ["model/embed_tokens"]
+  with use_sebp(top_n=4, embeddings=False) as report:
+    tiny_llama(ids, attention_mask=mask)
+  assert report.num_swapped == 2 * 7 and not report.embeddings
+  with use_sebp(top_n=4, exclude=r"embed_tokens|lm_head") as report:
+    tiny_llama(ids, attention_mask=mask)
+  assert not report.embeddings and "model/embed_tokens" in report.skipped
   with use_sebp(top_n=4, include=r"mlp/(up|down)_proj$") as report:
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 4 and all("mlp" in p for p in report.swapped)
@@ -81,14 +91,14 @@ def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
   # The pooler sees [B, H], not [B, L, H]: it selects its rows itself.
   assert "bert/pooler/dense" in report.swapped
   assert "bert/pooler/dense" not in report.shared_index
-  assert len(report.shared_index) == 12
+  assert len(report.shared_index) == 12 + 3  # and the three embedding lookups
 
 
 def test_an_already_compiled_function_is_loud(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
   forward = jax.jit(lambda params: tiny_bert(ids, attention_mask=mask, params=params).logits)
   forward(tiny_bert.params)
-  with pytest.raises(RuntimeError, match="swapped no Dense layer"):
+  with pytest.raises(RuntimeError, match="swapped no layer"):
     with use_sebp(top_n=4):
       forward(tiny_bert.params)  # Cache hit: nothing is traced, so the dense version would run.
 

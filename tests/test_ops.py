@@ -241,7 +241,7 @@ def test_property_gradients_match_reference(lead, in_features, out_features, dat
   np.testing.assert_allclose(dbias, ref[2], rtol=1e-4, atol=1e-5)
 
 
-def test_nan_in_a_row_outside_a_given_index_poisons_dkernel():
+def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
   rng = np.random.default_rng(12)
   x, kernel, bias, g = _problem(rng, (16,), 6, 5, num_nonzero=4)
   kept = np.flatnonzero(g.any(axis=1))
@@ -257,4 +257,7 @@ def test_nan_in_a_row_outside_a_given_index_poisons_dkernel():
   for got, want in zip(clean, ref):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   g[skipped, 1] = np.nan
+  poisoned = grads(g)
+  assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
+  g[skipped, 1] = np.inf
   assert np.isnan(np.asarray(grads(g)[1])).all()

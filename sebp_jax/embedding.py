@@ -1,0 +1,143 @@
+"""SEBP for token embeddings: an exact lookup whose backward scatters only the kept rows.
+
+An embedding lookup ``y = table[ids]`` is a linear layer whose input is one-hot, so the SEBP
+argument carries over: the backward ``d_table = scatter_add(ids, dY)`` only needs the rows of dY
+that carry signal. The dense backward scatters all ``T`` rows; on a GPU that is an atomic add
+per element, and every padding token adds its (zero) row to the same padding id, so the threads
+contend for one row of the table. In transformers' Flax BERT-base (32x512, SST-2 lengths, H200)
+the three embedding scatters were the largest kernels of the backward; keeping only the real
+tokens' rows took the whole SEBP backward from 1.19x to 2.20x of dense
+(``benchmarks/RESULTS.md``).
+
+Selection is the linear layers' (:mod:`sebp_jax.selection`): per lookup from dY, or one index
+shared by every layer (``active_rows``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from sebp_jax.backends import accumulation_dtype
+from sebp_jax.layers import resolve_top_n
+from sebp_jax.ops import (nan_if_not_finite, validate_active_rows, validate_threshold,
+                          validate_top_n)
+from sebp_jax.selection import select_active_rows
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _LookupConfig:
+  top_n: int
+  threshold: float
+
+
+def _lookup(table, ids):
+  return jnp.take(table, ids, axis=0)  # What nn.Embed does, so the forward is identical.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sebp_lookup(table, ids, active_rows, config: _LookupConfig):
+  del active_rows, config  # Only the backward uses them.
+  return _lookup(table, ids)
+
+
+def _sebp_lookup_fwd(table, ids, active_rows, config: _LookupConfig):
+  # The table itself is the residual (a parameter, alive anyway) for its shape and dtype.
+  return _lookup(table, ids), (table, ids, active_rows)
+
+
+def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
+  table, ids, active_rows = residuals
+  num_embeddings, features = table.shape
+  num_rows = ids.size
+  dy2d = dy.reshape(num_rows, features)
+  index_given = active_rows is not None
+  if not index_given:
+    active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
+  # Sentinel slots (row T) read the out-of-range id num_embeddings, which the scatter drops.
+  kept_ids = jnp.take(ids.reshape(num_rows), active_rows, mode="fill", fill_value=num_embeddings)
+  dy_kept = jnp.take(dy2d, active_rows, axis=0, mode="fill", fill_value=0)
+  # float32 accumulation for 16-bit tables, as in the linear layers. It is also the fast
+  # path: a GPU adds float32 atomically in one instruction, 16-bit values through a
+  # compare-and-swap loop that serialises repeated ids (BERT's token-type table has two rows
+  # for every token). Measured on BERT-base, H200: backward 1.88x vs 2.20x of dense.
+  accumulate = accumulation_dtype(table.dtype)
+  d_table = jnp.zeros(table.shape, accumulate).at[kept_ids].add(
+      dy_kept.astype(accumulate), mode="drop")
+  if index_given:
+    d_table = d_table + nan_if_not_finite(dy2d).astype(accumulate)
+  return d_table.astype(table.dtype), None, None
+
+
+_sebp_lookup.defvjp(_sebp_lookup_fwd, _sebp_lookup_bwd)
+
+
+def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float = 0.0,
+                      active_rows: Array | None = None) -> Array:
+  """``table[ids]`` with a backward that scatters only ``top_n`` rows of dY into ``d_table``.
+
+  Args:
+    table: ``[V, F]`` embedding table.
+    ids: integer ``[...]`` token ids; every element is a row, ``T = ids.size``. Ids out of
+      ``[-V, V)`` read NaN in the forward and get no gradient, as with ``jnp.take``.
+    top_n: rows of dY (flattened to ``[T, F]``) the backward keeps (static positive int);
+      ``top_n >= T`` without ``active_rows`` runs the dense backward.
+    threshold: a row of dY is active when its max ``|value|`` exceeds this.
+    active_rows: optional ``int32[top_n]`` shared index (sorted, padded with the sentinel
+      ``T``), as for :func:`sebp_jax.sebp_linear`. Given, dY is not scored; a NaN/Inf in a
+      skipped row makes ``d_table`` NaN.
+
+  Returns:
+    ``[..., F]``, bit-identical to ``jnp.take(table, ids, axis=0)``.
+  """
+  top_n = validate_top_n(top_n)
+  threshold = validate_threshold(threshold)
+  table, ids = jnp.asarray(table), jnp.asarray(ids)
+  if table.ndim != 2:
+    raise ValueError(f"table must be 2-D [num_embeddings, features], got shape {table.shape}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
+  active_rows = validate_active_rows(active_rows, top_n)
+  if active_rows is None and top_n >= ids.size:
+    return _lookup(table, ids)
+  return _sebp_lookup(table, ids, active_rows, _LookupConfig(top_n, threshold))
+
+
+class SEBPEmbed(nn.Embed):
+  """A drop-in for ``flax.linen.Embed`` whose backward keeps only the top-N rows of dY.
+
+  Same attributes, parameter (``embedding``) and forward as ``nn.Embed``; ``attend`` is
+  unchanged (a dense matmul over the whole table). Additional attributes:
+
+  Attributes:
+    top_n: rows of dY kept in the backward, counted over every element of ``inputs``: an int,
+      or a float in (0, 1] for a kept fraction. Cover the non-padding tokens.
+    threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
+  """
+
+  top_n: int | float = dataclasses.field(kw_only=True)
+  threshold: float = dataclasses.field(default=0.0, kw_only=True)
+
+  def __call__(self, inputs: Array) -> Array:
+    """Embeds the integer ``inputs: [...]`` into ``[..., features]``."""
+    return sebp_embed_call(self, inputs, top_n=self.top_n, threshold=self.threshold)
+
+
+def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float, threshold: float,
+                    active_rows: Array | None = None) -> Array:
+  """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
+  inputs = jnp.asarray(inputs)
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs of {type(module).__name__} must be integer token ids, "
+                     f"got dtype {inputs.dtype}")
+  (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+  if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
+    return jnp.broadcast_to(table, inputs.shape + (module.features,))
+  return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
+                           threshold=threshold, active_rows=active_rows)
