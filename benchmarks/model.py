@@ -168,7 +168,8 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
       stack = contextlib.ExitStack()
       stack.enter_context(linear_backward_removed())
       # The embeddings as SEBP runs them (no Dense layer matches the include pattern).
-      stack.enter_context(use_sebp(top_n=top_n, active_mask=mask, include=r"(?!)"))
+      stack.enter_context(use_sebp(top_n=top_n, active_mask=mask, include=r"(?!)",
+                                   require_swaps=False))
       return stack
     return contextlib.nullcontext()
 

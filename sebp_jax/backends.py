@@ -43,7 +43,8 @@ def _spread_rows(kept: Array, rows: Array, num_rows: int) -> Array:
   fuses a gather into whatever consumes dX (the residual sum of several layers' dX, a
   LayerNorm backward), while a scatter is a kernel of its own after a full zero fill. Measured
   on an H200 with dX feeding an add (T=16384, 319 rows): 0.16 vs 0.30 ms at 3072x768, and at
-  T=4096, 577 rows: 0.24 vs 0.42 ms at 8192x2048 (``benchmarks/RESULTS.md``).
+  T=4096, 577 rows: 0.24 vs 0.42 ms at 8192x2048; the scatter won only at 768x768 (0.08 vs
+  0.11 ms) (``benchmarks/RESULTS.md``).
   """
   num_slots = rows.shape[0]
   slot_of_row = jnp.full((num_rows,), num_slots, jnp.int32).at[rows].set(
@@ -168,10 +169,12 @@ def choose_backend(backend: str, *, num_rows: int, in_features: int, out_feature
     dense backward elsewhere (it keeps every row, so its gradient is the exact one; SEBP
     cannot win on small layers at high kept fractions);
   * the SEBP it picks is ``"xla"`` on every platform. Since XLA builds dX by a gather that
-    fuses into its consumer, it measured level with or ahead of the Pallas kernels on every
-    layer shape at T=16384 (Pallas 0.84-0.97x of it on the Llama shapes, H200), and inside
-    Llama-1B the Pallas dX kernel's zero fill cost 3.0 ms of a 46 ms backward even with 16
-    rows kept. ``"pallas"`` runs the kernels when asked for.
+    fuses into its consumer, the Pallas kernels no longer lead it (H200, T=16384, 20% kept,
+    selection included: Pallas 0.91-0.95x of XLA on the five shapes of 2048x2048 and up,
+    0.85-0.87x on 768x3072 / 3072x768, 1.04-1.12x only on 2048x512 and 768x768, whose SEBP
+    backward is slower than dense either way); inside models XLA led on small layers (BERT
+    1.41x vs 1.09x), and inside Llama-1B the Pallas dX kernel's zero fill cost 3.0 ms of a
+    46 ms backward even with 16 rows kept. ``"pallas"`` runs the kernels when asked for.
   """
   if backend not in BACKEND_CHOICES:
     raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")

@@ -5,8 +5,8 @@ argument carries over: the backward ``d_table = scatter_add(ids, dY)`` only need
 that carry signal. The dense backward scatters all ``T`` rows; on a GPU that is an atomic add
 per element, and every padding token adds its (zero) row to the same padding id, so the threads
 contend for one row of the table. In transformers' Flax BERT-base (32x512, SST-2 lengths, H200)
-the three embedding scatters were the largest kernels of the backward; keeping only the real
-tokens' rows took the whole SEBP backward from 1.19x to 2.20x of dense
+the embedding-gradient scatter was the largest kernel of the backward; keeping only the real
+tokens' rows took the whole SEBP backward from 1.14x to 2.14x of dense
 (``benchmarks/RESULTS.md``).
 
 Selection is the linear layers' (:mod:`sebp_jax.selection`): per lookup from dY, or one index
@@ -60,13 +60,15 @@ def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
   index_given = active_rows is not None
   if not index_given:
     active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
-  # Sentinel slots (row T) read the out-of-range id num_embeddings, which the scatter drops.
-  kept_ids = jnp.take(ids.reshape(num_rows), active_rows, mode="fill", fill_value=num_embeddings)
+  # Sentinel slots (row T) read the out-of-range id num_embeddings, which the scatter drops;
+  # the ids are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
+  flat_ids = ids.reshape(num_rows).astype(jnp.promote_types(ids.dtype, jnp.int32))
+  kept_ids = jnp.take(flat_ids, active_rows, mode="fill", fill_value=num_embeddings)
   dy_kept = jnp.take(dy2d, active_rows, axis=0, mode="fill", fill_value=0)
-  # float32 accumulation for 16-bit tables, as in the linear layers. It is also the fast
-  # path: a GPU adds float32 atomically in one instruction, 16-bit values through a
-  # compare-and-swap loop that serialises repeated ids (BERT's token-type table has two rows
-  # for every token). Measured on BERT-base, H200: backward 1.88x vs 2.20x of dense.
+  # float32 accumulation for 16-bit tables, as in the linear layers. It also measured faster
+  # (the scatter's atomic adds collide on repeated ids: BERT's token-type table has two rows
+  # for every token): BERT-base on an H200, backward 2.19x (2.08x in a second run) of dense
+  # with float32 against 1.97x with bf16 accumulation.
   accumulate = accumulation_dtype(table.dtype)
   d_table = jnp.zeros(table.shape, accumulate).at[kept_ids].add(
       dy_kept.astype(accumulate), mode="drop")

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import re
 from typing import Any, Callable
 
@@ -81,21 +80,23 @@ class use_sebp:
       tokens of the largest batch: with ``active_mask`` the count of ones in the mask.
     threshold: rows of dY whose max ``|value|`` is at most this count as zero.
     include: regex over the module path (``"bert/encoder/layer/0/attention/self/query"``); a
-      layer is swapped when it matches ``include`` and not ``exclude``.
+      Dense layer is swapped when it matches ``include`` and not ``exclude``. Subclasses of
+      ``nn.Dense`` / ``nn.Embed`` with their own ``__call__`` are always left alone.
     exclude: regex of paths left dense; default: pooler and classification / LM heads.
     active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
       index of the real tokens is computed once and every layer whose input has the mask's
-      leading shape reuses it instead of scoring dY itself. Exact when the gradient rows of the
+      shape as its leading dims (embedding ids: the mask's shape) reuses it instead of
+      scoring dY itself. Exact when the gradient rows of the
       masked tokens are exactly zero: BERT classification (attention masks padding keys, the
       loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
       the loss or a pooling reads padding positions, or when a real token is masked out. A
-      NaN/Inf in a masked-out row of dY makes that layer's dW NaN rather than vanish.
+      NaN/Inf in a masked-out row of dY makes that layer's dW and db NaN rather than vanish.
     backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
     embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
       gradient is a scatter of the kept rows of dY only (:mod:`sebp_jax.embedding`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
-    require_swaps: raise when the context ends without having swapped any layer (the sign of
-      an already-compiled function, or of patterns that match nothing).
+    require_swaps: raise when the context ends without having swapped any Dense layer (the
+      sign of an already-compiled function, or of patterns that match nothing).
   """
 
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
@@ -144,10 +145,10 @@ class use_sebp:
     if exc_type is not None:
       return
     logger.info(self.report.summary())
-    if self.require_swaps and not (self.report.swapped or self.report.embeddings):
+    if self.require_swaps and not self.report.swapped:
       skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
       raise RuntimeError(
-          "use_sebp swapped no layer. If you called a function that jax.jit had already "
+          "use_sebp swapped no Dense layer. If you called a function that jax.jit had already "
           "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
           "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
           f"layer{' (' + skipped + ')' if skipped else ''}.")
@@ -156,21 +157,31 @@ class use_sebp:
     if path not in bucket:
       bucket.append(path)
 
-  def _shared_index_for(self, path: str, num_rows: int) -> tuple[jax.Array | None, Any]:
-    """The shared index and its size for a layer of ``num_rows`` rows, else (None, top_n)."""
-    if self._shared_rows is not None and num_rows == jnp.size(self.active_mask):
+  def _shared_index_for(self, path: str, row_shape) -> tuple[jax.Array | None, Any]:
+    """The shared index and its size for a layer whose rows have the mask's shape (the
+    leading dims of a Dense input, all dims of embedding ids), else (None, top_n).
+
+    Shapes, not element counts, must agree: a transposed or reshaped batch of as many rows
+    would take the mask's index for rows it does not describe.
+    """
+    if self._shared_rows is not None and tuple(row_shape) == jnp.shape(self.active_mask):
       self._record(self.report.shared_index, path)
       return self._shared_rows, self._shared_rows.shape[0]
     return None, self.top_n
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     module = context.module
-    is_dense = isinstance(module, nn.Dense) and not isinstance(module, SEBPDense)
-    is_embed = (self.embeddings and isinstance(module, nn.Embed)
-                and not isinstance(module, SEBPEmbed))
+    # Only modules that run nn.Dense's / nn.Embed's own __call__ are swapped: a subclass with
+    # its own __call__ (SEBPDense, SEBPEmbed, or any other) would lose its code.
+    is_dense = isinstance(module, nn.Dense)
+    is_embed = self.embeddings and isinstance(module, nn.Embed)
     if context.method_name != "__call__" or not (is_dense or is_embed):
       return next_fun(*args, **kwargs)
     path = "/".join(module.path)
+    if type(module).__call__ is not (nn.Dense if is_dense else nn.Embed).__call__:
+      if not isinstance(module, (SEBPDense, SEBPEmbed)):
+        self.report.skipped[path] = "a subclass with its own __call__"
+      return next_fun(*args, **kwargs)
     if self.exclude and self.exclude.search(path):
       self.report.skipped[path] = "matched by exclude"
       return next_fun(*args, **kwargs)
@@ -179,7 +190,7 @@ class use_sebp:
       if module.num_embeddings == 1:
         self.report.skipped[path] = "one-row embedding (a broadcast, no lookup)"
         return next_fun(*args, **kwargs)
-      active_rows, top_n = self._shared_index_for(path, jnp.size(inputs))
+      active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs))
       self._record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
                              active_rows=active_rows)
@@ -189,7 +200,7 @@ class use_sebp:
     if module.dot_general is not None or module.dot_general_cls is not None:
       self.report.skipped[path] = "custom dot_general (e.g. fp8/quantized)"
       return next_fun(*args, **kwargs)
-    active_rows, top_n = self._shared_index_for(path, math.prod(jnp.shape(inputs)[:-1]))
+    active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs)[:-1])
     self._record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
                            backend=self.backend, active_rows=active_rows)

@@ -47,12 +47,16 @@ def test_gradient_equals_reference(shape, top_n):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_forward_is_the_take_and_dtypes_are_kept(dtype):
+@pytest.mark.parametrize("dtype,tolerance", [
+    (jnp.float32, 1e-6), (jnp.bfloat16, 1e-2), (jnp.float16, 1e-3)])
+def test_forward_is_the_take_and_dtypes_are_kept(dtype, tolerance):
   rng = np.random.default_rng(1)
   table, ids, dy = _problem(rng)
+  # A negative and an out-of-range id on rows that carry gradient: both behave as in jnp.take
+  # (the first wraps around, the second reads NaN and gets no gradient).
+  nonzero_rows = np.flatnonzero(dy.any(axis=1))
+  ids.reshape(-1)[nonzero_rows[:2]] = (-2, 11)
   table, dy = jnp.asarray(table, dtype), jnp.asarray(dy, dtype)
-  ids[0, :2] = (-2, 11)  # a negative and an out-of-range id behave as in jnp.take
   got = sebp_embed_lookup(table, ids, top_n=4)
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.asarray(jnp.take(table, ids, axis=0), np.float32))
@@ -61,7 +65,20 @@ def test_forward_is_the_take_and_dtypes_are_kept(dtype):
   want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0).astype(jnp.float32)
                                     * dy.reshape(ids.shape + (-1,))))(table)
   np.testing.assert_allclose(np.asarray(d_table, np.float32), np.asarray(want, np.float32),
-                             rtol=1e-2, atol=1e-2)
+                             rtol=tolerance, atol=tolerance)
+  assert np.any(np.asarray(d_table[9], np.float32))  # id -2's row did receive its gradient
+
+
+@pytest.mark.parametrize("id_dtype", [jnp.int8, jnp.uint8, jnp.int32])
+def test_narrow_id_dtypes_with_a_large_table(id_dtype):
+  # The sentinel id (V = 300) does not fit int8 / uint8; it must neither overflow nor wrap.
+  rng = np.random.default_rng(6)
+  table = rng.standard_normal((300, 4)).astype(np.float32)
+  ids = jnp.asarray(rng.integers(0, 100, size=(12,)), id_dtype)
+  dy = random_sparse_rows(rng, 12, 4, 5)
+  got = _table_grad(table, ids, dy, top_n=8)  # 3 sentinel slots
+  want = reference_table_grad(300, np.asarray(ids, np.int64), dy, np.flatnonzero(dy.any(1)))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_shared_index_and_nan_in_a_skipped_row():
@@ -73,8 +90,9 @@ def test_shared_index_and_nan_in_a_skipped_row():
   np.testing.assert_allclose(got, reference_table_grad(11, ids.reshape(-1), dy,
                                                        np.flatnonzero(mask)), rtol=1e-6)
   skipped = int(np.flatnonzero(~mask.reshape(-1))[0])
-  dy[skipped, 3] = np.nan
-  assert np.isnan(_table_grad(table, ids, dy, top_n=7, active_rows=active_rows)).all()
+  for bad in (np.nan, np.inf, -np.inf):
+    dy[skipped, 3] = bad
+    assert np.isnan(_table_grad(table, ids, dy, top_n=7, active_rows=active_rows)).all(), bad
 
 
 def test_nan_in_a_padding_row_is_selected_and_visible():

@@ -82,6 +82,11 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
   with use_sebp(top_n=4, include=r"mlp/(up|down)_proj$") as report:
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 4 and all("mlp" in p for p in report.swapped)
+  assert report.embeddings == ["model/embed_tokens"]  # include selects Dense layers only
+  # A pattern that matches no Dense layer is loud, even though the embedding was swapped.
+  with pytest.raises(RuntimeError, match="swapped no Dense layer"):
+    with use_sebp(top_n=4, include=r"up_porj$"):
+      tiny_llama(ids, attention_mask=mask)
 
 
 def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
@@ -98,7 +103,7 @@ def test_an_already_compiled_function_is_loud(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
   forward = jax.jit(lambda params: tiny_bert(ids, attention_mask=mask, params=params).logits)
   forward(tiny_bert.params)
-  with pytest.raises(RuntimeError, match="swapped no layer"):
+  with pytest.raises(RuntimeError, match="swapped no Dense layer"):
     with use_sebp(top_n=4):
       forward(tiny_bert.params)  # Cache hit: nothing is traced, so the dense version would run.
 
@@ -115,6 +120,54 @@ def test_decorator_form_and_grad(tiny_bert):
   got = jax.grad(starved)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   want = jax.grad(dense_loss)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   assert not np.allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-3)
+
+
+class ScaledEmbed(nn.Embed):
+  def __call__(self, inputs):
+    return super().__call__(inputs) * 10.0
+
+
+class PlainDense(nn.Dense):  # no __call__ of its own: runs nn.Dense's
+  pass
+
+
+class MixedModel(nn.Module):
+  """Embedding subclass with its own __call__, a Dense subclass without one, and a Dense on a
+  transposed batch: as many rows as the mask, in another layout."""
+
+  @nn.compact
+  def __call__(self, ids, mask):
+    h = ScaledEmbed(20, 6, name="embed")(ids) + nn.Embed(20, 6, name="plain_embed")(ids)
+    h = PlainDense(6, name="dense")(h) * mask[..., None]
+    flipped = nn.Dense(6, name="up_proj")(jnp.swapaxes(h, 0, 1))
+    return jnp.sum(jnp.swapaxes(flipped, 0, 1) * mask[..., None])
+
+
+def test_subclasses_and_shared_index_shapes():
+  rng = np.random.default_rng(7)
+  ids = jnp.asarray(rng.integers(0, 20, size=(3, 4)), jnp.int32)
+  mask = jnp.asarray([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]], jnp.float32)
+  params = MixedModel().init(jax.random.key(0), ids, mask)
+  reports = []
+
+  def dense_loss(params):
+    return MixedModel().apply(params, ids, mask)
+
+  def sebp_loss(params):
+    with use_sebp(top_n=6, active_mask=mask) as report:
+      reports.append(report)
+      return dense_loss(params)
+
+  want_value, want = jax.value_and_grad(dense_loss)(params)
+  got_value, got = jax.value_and_grad(sebp_loss)(params)
+  (report,) = reports
+  assert report.skipped["embed"] == "a subclass with its own __call__"
+  assert report.embeddings == ["plain_embed"]
+  assert report.swapped == ["dense", "up_proj"]
+  # up_proj's rows are [L, B]: same count as the mask, not its layout, so no shared index.
+  assert report.shared_index == ["plain_embed", "dense"]
+  np.testing.assert_allclose(got_value, want_value, rtol=1e-6)  # ScaledEmbed kept its * 10
+  assert_every_gradient_close(got, want)
 
 
 class QuantizedMLP(nn.Module):
