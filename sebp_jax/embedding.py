@@ -2,9 +2,9 @@
 
 An embedding lookup ``y = table[ids]`` is a linear layer whose input is one-hot, so the SEBP
 argument carries over: the backward ``d_table = scatter_add(ids, dY)`` only needs the rows of dY
-that carry signal. The dense backward scatters all ``T`` rows; on a GPU that is an atomic add
-per element, and every padding token adds its (zero) row to the same padding id, so the threads
-contend for one row of the table. In transformers' Flax BERT-base (32x512, SST-2 lengths, H200)
+that carry signal. The dense backward scatters all ``T`` rows, on a GPU with an atomic add per
+element, many of them into the same rows (every padding token has the padding id; BERT's
+token-type table has two rows). In transformers' Flax BERT-base (32x512, SST-2 lengths, H200)
 the embedding-gradient scatter was the largest kernel of the backward; keeping only the real
 tokens' rows took the whole SEBP backward from 1.14x to 2.14x of dense
 (``benchmarks/RESULTS.md``).
