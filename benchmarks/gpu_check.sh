@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Compiled GPU run of the Pallas kernel tests, then (optionally) the block-size
-# sweep and the layer benchmark. Run from the repository root on a GPU machine:
+# sweep, the layer benchmark, the model benchmark and the ablations. Run from the
+# repository root on a GPU machine:
 #
-#   benchmarks/gpu_check.sh OUT_DIR [STEP...]     STEP: tests, tune, bench (default: tests)
+#   benchmarks/gpu_check.sh OUT_DIR [STEP...]
+#     STEP: tests, tune, bench, model, ablations (default: tests)
 #
-# BENCH_ARGS / TUNE_ARGS pass extra flags to benchmarks.layer / benchmarks.tune_blocks.
-# pytest missing from the image is installed from wheels carried in .whl/.
+# BENCH_ARGS / TUNE_ARGS / MODEL_ARGS pass extra flags to benchmarks.layer /
+# benchmarks.tune_blocks / benchmarks.model. pytest, and transformers 4.x (the last
+# line with Flax models) where the image has 5.x, are installed from wheels carried
+# in .whl/ (`bash ../shared/tools/device-wheels` fetches them).
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [tests] [tune] [bench]}
 shift
 steps=${*:-tests}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if ! python3 -c "import pytest" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+if ! python3 -c "import pytest, transformers; assert transformers.__version__ < '5'" 2>/dev/null
+then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -36,6 +41,14 @@ for step in $steps; do
       timeout 400 python3 -m benchmarks.layer --out "$out/layer.jsonl" ${BENCH_ARGS:-} \
         2>"$out/layer.err" | tee "$out/layer.txt" || status=1
       grep -E "device|measured|Error|error" "$out/layer.err" | tail -5 ;;
+    model)
+      timeout 600 python3 -m benchmarks.model --out "$out/model.jsonl" ${MODEL_ARGS:-} \
+        2>"$out/model.err" | tee "$out/model.txt" || status=1 ;;
+    ablations)
+      for study in dx check embed-accumulation; do
+        timeout 600 python3 -m benchmarks.ablations "$study" --out "$out/ablations.jsonl" \
+          2>>"$out/ablations.err" | tee -a "$out/ablations.txt" || status=1
+      done ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
