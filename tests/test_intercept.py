@@ -195,3 +195,49 @@ def test_bad_arguments():
     use_sebp(top_n=4, threshold=-1.0)
   with pytest.raises(ValueError, match="backend"):
     use_sebp(top_n=4, backend="cuda")
+
+
+class ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + jnp.tanh(nn.Dense(8, name="up_proj")(h)), None
+
+
+class ScannedModel(nn.Module):
+  """An embedding, then three remat'd residual blocks under nn.scan; padding is masked."""
+
+  @nn.compact
+  def __call__(self, ids, mask):
+    h = nn.Embed(30, 8, name="embed")(ids)
+    blocks = nn.scan(nn.remat(ScanBlock), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)
+    h, _ = blocks(name="layers")(h, None)
+    return jnp.sum(jnp.tanh(h) * mask[..., None])
+
+
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_scan_and_remat_inside_use_sebp(shared_index):
+  rng = np.random.default_rng(8)
+  ids = jnp.asarray(rng.integers(0, 30, size=(2, 6)), jnp.int32)
+  mask = jnp.asarray([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]], jnp.float32)
+  params = ScannedModel().init(jax.random.key(0), ids, mask)
+  reports = []
+
+  def dense_loss(params):
+    return ScannedModel().apply(params, ids, mask)
+
+  def sebp_loss(params):
+    with use_sebp(top_n=5, active_mask=mask if shared_index else None) as report:
+      reports.append(report)
+      return dense_loss(params)
+
+  got = jax.jit(jax.grad(sebp_loss))(params)
+  assert_every_gradient_close(got, jax.grad(dense_loss)(params))
+  (report,) = reports
+  assert report.embeddings == ["embed"] and report.num_swapped == 1
+  assert len(report.shared_index) == (2 if shared_index else 0)
+  # Too few rows must change the scanned layers' gradient: the interceptor acts under scan.
+  with use_sebp(top_n=2, active_mask=mask if shared_index else None):
+    starved = jax.grad(lambda p: ScannedModel().apply(p, ids, mask))(params)
+  assert not np.allclose(starved["params"]["layers"]["up_proj"]["kernel"],
+                         got["params"]["layers"]["up_proj"]["kernel"])
