@@ -130,8 +130,7 @@ def _model_study(study: str, kinds, repeats: int, tiny: bool, variants) -> list[
       with _patched(swaps or []):
         (row,) = model_bench.run(kind, ["dense" if swaps is None else "sebp_shared"], repeats,
                                  tiny, 0, "auto")
-      row.pop("device"), row.pop("jax_version")
-      runs.append(_record(study, variant, **row))
+      runs.append({"study": study, "variant": variant, **row})  # row names device and jax
     for record in runs:
       record["backward_speedup_vs_dense"] = runs[0]["backward_ms"] / record["backward_ms"]
     records += runs
