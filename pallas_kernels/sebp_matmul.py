@@ -345,7 +345,7 @@ def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
   )(active_rows, dy, kernel)
 
 
-def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
+def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
                          block_sizes: BlockSizes, interpret: bool, precision):
   num_rows, d = x.shape
   n = dy.shape[1]
@@ -355,8 +355,9 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
   steps_per_split = pl.cdiv(num_steps, split_rows)
   # With one split the kernel writes the final dtype directly; partial sums
   # stay float32 until they are added.
-  dw_dtype = x.dtype if split_rows == 1 else jnp.float32
-  db_dtype = dy.dtype if split_rows == 1 else jnp.float32
+  dw_out, db_out = (x.dtype, dy.dtype) if out_dtype is None else (out_dtype, out_dtype)
+  dw_dtype = dw_out if split_rows == 1 else jnp.float32
+  db_dtype = db_out if split_rows == 1 else jnp.float32
   out_shape = [jax.ShapeDtypeStruct((split_rows, d, n), dw_dtype)]
   if with_bias:
     out_shape.append(jax.ShapeDtypeStruct((split_rows, n), db_dtype))
@@ -383,8 +384,8 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool,
   )(active_rows, x, dy)
   if split_rows == 1:
     return outs[0][0], outs[1][0] if with_bias else None
-  dw = outs[0].sum(axis=0).astype(x.dtype)
-  db = outs[1].sum(axis=0).astype(dy.dtype) if with_bias else None
+  dw = outs[0].sum(axis=0).astype(dw_out)
+  db = outs[1].sum(axis=0).astype(db_out) if with_bias else None
   return dw, db
 
 
@@ -428,10 +429,10 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("with_bias", "block_sizes", "interpret", "precision"))
+    static_argnames=("with_bias", "out_dtype", "block_sizes", "interpret", "precision"))
 def gathered_dw_db(
     x: jax.Array, dy: jax.Array, active_rows: jax.Array, *, with_bias: bool,
-    block_sizes: BlockSizes | None = None, interpret: bool = False,
+    out_dtype=None, block_sizes: BlockSizes | None = None, interpret: bool = False,
     precision=None) -> tuple[jax.Array, jax.Array | None]:
   """Weight and bias gradients accumulated over the selected rows.
 
@@ -441,14 +442,16 @@ def gathered_dw_db(
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
       end with the sentinel ``T``; sentinel slots contribute nothing.
     with_bias: also return db.
+    out_dtype: dtype of dW and db; None: ``x.dtype`` and ``dy.dtype``. float32 spares a
+      caller who wants the float32 sums a rounding and a second pass.
     block_sizes: tiles and launch parameters; default from the measured table.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
 
   Returns:
-    ``(dW, db)``: ``dW = sum_r x[r].T @ dy[r]`` as ``[D, N]`` in ``x.dtype`` and
-    ``db = sum_r dy[r]`` as ``[N]`` in ``dy.dtype`` (``None`` without bias),
-    both accumulated in float32.
+    ``(dW, db)``: ``dW = sum_r x[r].T @ dy[r]`` as ``[D, N]`` and
+    ``db = sum_r dy[r]`` as ``[N]`` (``None`` without bias), both accumulated in
+    float32, in ``out_dtype``.
   """
   num_rows, d = x.shape
   dy_rows, n = dy.shape
@@ -460,7 +463,7 @@ def gathered_dw_db(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
   return _gathered_dw_db_call(x, dy, active_rows, with_bias=with_bias,
-                              block_sizes=block_sizes, interpret=interpret,
+                              out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret,
                               precision=precision)
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from sebp_jax.backends import accumulation_dtype
-from sebp_jax.layers import resolve_top_n
+from sebp_jax.layers import promotion_for_sebp, resolve_top_n
 from sebp_jax.ops import (nan_if_not_finite, validate_active_rows, validate_threshold,
                           validate_top_n)
 from sebp_jax.selection import select_active_rows
@@ -35,21 +36,24 @@ Array = jax.Array
 class _LookupConfig:
   top_n: int
   threshold: float
+  #: The compute dtype, as ``nn.Embed.dtype``: the table is cast to it inside the op.
+  dtype: Any
 
 
-def _lookup(table, ids):
-  return jnp.take(table, ids, axis=0)  # What nn.Embed does, so the forward is identical.
+def _lookup(table, ids, dtype=None):
+  # What nn.Embed does (cast, then take), so the forward is identical.
+  return jnp.take(jnp.asarray(table, dtype), ids, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _sebp_lookup(table, ids, active_rows, config: _LookupConfig):
-  del active_rows, config  # Only the backward uses them.
-  return _lookup(table, ids)
+  del active_rows  # Only the backward uses it.
+  return _lookup(table, ids, config.dtype)
 
 
 def _sebp_lookup_fwd(table, ids, active_rows, config: _LookupConfig):
-  # The table itself is the residual (a parameter, alive anyway) for its shape and dtype.
-  return _lookup(table, ids), (table, ids, active_rows)
+  # The table as given is the residual (a parameter, alive anyway) for its shape and dtype.
+  return _lookup(table, ids, config.dtype), (table, ids, active_rows)
 
 
 def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
@@ -68,12 +72,14 @@ def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
   # float32 accumulation for 16-bit tables, as in the linear layers. It also measured faster
   # (the scatter's atomic adds collide on repeated ids: BERT's token-type table has two rows
   # for every token): BERT-base on an H200, backward 2.19x (2.08x in a second run) of dense
-  # with float32 against 1.97x with bf16 accumulation.
-  accumulate = accumulation_dtype(table.dtype)
-  d_table = jnp.zeros(table.shape, accumulate).at[kept_ids].add(
+  # with float32 against 1.97x with bf16 accumulation. The sums are cast once, to the dtype of
+  # the table as given (a float32 table used in bf16 gets them as they are).
+  accumulate = accumulation_dtype(dy.dtype)
+  # A given index never scores dY: a NaN/Inf in a skipped row fills the whole table gradient
+  # instead of vanishing, at no cost (the fill writes the table once either way).
+  fill = nan_if_not_finite(dy2d).astype(accumulate) if index_given else 0
+  d_table = jnp.full(table.shape, fill, accumulate).at[kept_ids].add(
       dy_kept.astype(accumulate), mode="drop")
-  if index_given:
-    d_table = d_table + nan_if_not_finite(dy2d).astype(accumulate)
   return d_table.astype(table.dtype), None, None
 
 
@@ -81,7 +87,7 @@ _sebp_lookup.defvjp(_sebp_lookup_fwd, _sebp_lookup_bwd)
 
 
 def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float = 0.0,
-                      active_rows: Array | None = None) -> Array:
+                      active_rows: Array | None = None, dtype: Any = None) -> Array:
   """``table[ids]`` with a backward that scatters only ``top_n`` rows of dY into ``d_table``.
 
   Args:
@@ -94,9 +100,12 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
     active_rows: optional ``int32[top_n]`` shared index (sorted, padded with the sentinel
       ``T``), as for :func:`sebp_jax.sebp_linear`. Given, dY is not scored; a NaN/Inf in a
       skipped row makes ``d_table`` NaN.
+    dtype: the compute dtype, as ``nn.Embed``'s ``dtype``: the table is cast to it for the
+      lookup (None: no cast); its gradient comes back in the table's own dtype, rounded once
+      from the float32 sums.
 
   Returns:
-    ``[..., F]``, bit-identical to ``jnp.take(table, ids, axis=0)``.
+    ``[..., F]``, bit-identical to ``jnp.take(table.astype(dtype), ids, axis=0)``.
   """
   top_n = validate_top_n(top_n)
   threshold = validate_threshold(threshold)
@@ -107,8 +116,8 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
     raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
   active_rows = validate_active_rows(active_rows, top_n)
   if active_rows is None and top_n >= ids.size:
-    return _lookup(table, ids)
-  return _sebp_lookup(table, ids, active_rows, _LookupConfig(top_n, threshold))
+    return _lookup(table, ids, dtype)
+  return _sebp_lookup(table, ids, active_rows, _LookupConfig(top_n, threshold, dtype))
 
 
 class SEBPEmbed(nn.Embed):
@@ -138,8 +147,8 @@ def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float, thre
   if not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError(f"inputs of {type(module).__name__} must be integer token ids, "
                      f"got dtype {inputs.dtype}")
-  (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+  (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
-    return jnp.broadcast_to(table, inputs.shape + (module.features,))
+    return jnp.broadcast_to(jnp.asarray(table, dtype), inputs.shape + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
-                           threshold=threshold, active_rows=active_rows)
+                           threshold=threshold, active_rows=active_rows, dtype=dtype)

@@ -8,6 +8,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_linear, validate_top_n
 
@@ -26,6 +27,19 @@ def resolve_top_n(top_n: int | float, num_rows: int) -> int:
       raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
     return max(1, math.ceil(top_n * num_rows))
   return validate_top_n(top_n)
+
+
+def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool = True):
+  """``(arrays, dtype)`` to hand an SEBP op, which casts ``arrays`` to ``dtype`` inside.
+
+  With flax's own ``promote_dtype`` (the default of ``nn.Dense`` and ``nn.Embed``) the arrays
+  go in uncast, so that the op returns their gradients in their own dtypes (see
+  :func:`sebp_jax.sebp_linear`). A module with a custom ``promote_dtype`` gets it applied here,
+  as in its own forward, and the op casts nothing.
+  """
+  if module.promote_dtype is promote_dtype:
+    return arrays, canonicalize_dtype(*arrays, dtype=module.dtype, inexact=inexact)
+  return tuple(module.promote_dtype(*arrays, dtype=module.dtype, inexact=inexact)), None
 
 
 class SEBPDense(nn.Dense):
@@ -68,8 +82,8 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, thre
                         module.param_dtype)
   bias = (module.param('bias', module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  (inputs, kernel, bias), dtype = promotion_for_sebp(module, inputs, kernel, bias)
   num_rows = math.prod(jnp.shape(inputs)[:-1])
   return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
                      threshold=threshold, precision=module.precision, backend=backend,
-                     active_rows=active_rows)
+                     active_rows=active_rows, dtype=dtype)

@@ -10,8 +10,12 @@ Why the choices:
 
 * ``top_n`` is a static Python int so that every array in the backward has a fixed shape: jit
   compiles once, and no host round trip is needed to learn how many rows are active.
-* Residuals are the forward's own inputs (x and kernel), exactly what the dense backward keeps:
-  no extra memory beyond the ``[top_n]`` index and the ``[top_n, *]`` gathered blocks.
+* Residuals are what the dense backward keeps (x and kernel in the compute dtype): no extra
+  memory beyond the ``[top_n]`` index and the ``[top_n, *]`` gathered blocks.
+* The cast to the compute dtype (``dtype``, as ``nn.Dense`` does it) happens inside the op, so
+  the gradients come back in the arguments' own dtypes straight from the float32 sums: a
+  float32 kernel used in bf16 gets a float32 dW written once, where autodiff through the cast
+  would write a bf16 dW, read it and write it again as float32.
 * With ``top_n >= T`` nothing can be skipped, and the plain dense backward runs; on GPU,
   ``backend="auto"`` also runs it where SEBP is predicted slower (small layers, many rows).
 """
@@ -27,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen.dtypes import promote_dtype
+from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -49,7 +53,14 @@ class SEBPConfig:
   threshold: float
   precision: Any
   backend: str
-  with_bias: bool
+  #: The compute dtype, as ``nn.Dense.dtype``: x, kernel and bias are cast to it inside the op.
+  dtype: Any
+  #: The dtypes of x, kernel and bias as given (None without bias): those of their gradients.
+  grad_dtypes: tuple[Any, Any, Any]
+
+  @property
+  def with_bias(self) -> bool:
+    return self.grad_dtypes[2] is not None
 
 
 def validate_top_n(top_n: Any, name: str = "top_n") -> int:
@@ -111,60 +122,55 @@ def nan_if_not_finite(dy: Array) -> Array:
   """A float32 scalar: 0 if every element of ``dy: [T, N]`` is finite, else NaN.
 
   A given index never looks at dY, so a NaN/Inf in a row it skips would vanish from the
-  gradient. Added to dW and db, this makes them NaN instead, so the error stays visible. It is
-  one max over each row of dY and a max of those; it relies on XLA's max propagating NaN (its
-  default; the GPU flag ``--xla_gpu_enable_fast_min_max`` would break that). Measured on an
-  H200 with the shared index, backward speedup over dense with this check / ``all(isfinite)``
-  / a column sum / no check at all: 2.27x / 2.17x / 2.13x / 2.58x on BERT-base and 1.31x /
-  1.32x / 1.18x / 1.45x on Llama-1B shapes (``benchmarks/RESULTS.md``): level with
-  ``all(isfinite)`` within noise, clearly ahead of a column sum.
+  gradient. Passed to the backend as ``poison`` (see :mod:`sebp_jax.backends`), this makes dW
+  and db NaN instead, so the error stays visible. It is one max over each row of dY and a max
+  of those; it relies on XLA's max propagating NaN (its default; the GPU flag
+  ``--xla_gpu_enable_fast_min_max`` would break that). Measured on an H100 with the shared
+  index, backward speedup over dense with this check / a single max / ``all(isfinite)`` / a
+  sum / no check at all: 2.25x / 2.25x / 2.22x / 2.20x / 2.55x on BERT-base and 1.40x /
+  1.39x / 1.40x / 1.38x / 1.43x on Llama-1B shapes (``benchmarks/RESULTS.md``).
   """
   row_max = jnp.max(jnp.abs(dy), axis=1)  # NaN propagates through max; |Inf| * 0 is NaN.
   # Multiplied before the cast, so that a finite float64 value past float32's range stays 0.
   return (jnp.max(row_max) * 0).astype(jnp.float32)
 
 
+def _in_grad_dtypes(grads, config: SEBPConfig):
+  return tuple(None if g is None else g.astype(dtype)
+               for g, dtype in zip(grads, config.grad_dtypes))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sebp_linear(x, kernel, bias, active_rows, config: SEBPConfig):
   del active_rows  # Only the backward uses it.
-  return _dense_forward(x, kernel, bias, config.precision)
+  return _dense_forward(*promote_dtype(x, kernel, bias, dtype=config.dtype), config.precision)
 
 
 def _sebp_linear_fwd(x, kernel, bias, active_rows, config: SEBPConfig):
-  # Same residuals as the dense backward (the inputs), plus the [top_n] index if one was given.
+  # The dense backward's residuals (the cast inputs), plus the [top_n] index if one was given.
+  x, kernel, bias = promote_dtype(x, kernel, bias, dtype=config.dtype)
   return _dense_forward(x, kernel, bias, config.precision), (x, kernel, bias, active_rows)
 
 
 def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
   x, kernel, bias, active_rows = residuals
   num_rows = math.prod(x.shape[:-1])
+  index_given = active_rows is not None
   backend = choose_backend(config.backend, num_rows=num_rows, in_features=kernel.shape[0],
                            out_features=kernel.shape[1], top_n=config.top_n,
-                           itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
-  if backend == "dense":
+                           itemsize=dy.dtype.itemsize, index_given=index_given)
+  if backend == "dense":  # What autodiff of nn.Dense computes, cast included.
     _, dense_vjp = jax.vjp(functools.partial(_dense_forward, precision=config.precision),
                            x, kernel, bias)
-    return (*dense_vjp(dy), None)
+    return (*_in_grad_dtypes(dense_vjp(dy), config), None)
   x2d = x.reshape(num_rows, x.shape[-1])
   dy2d = dy.reshape(num_rows, dy.shape[-1])
-  index_given = active_rows is not None
   if not index_given:
     active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
   dx, dkernel, dbias = sparse_backward(
-      x2d, kernel, dy2d, active_rows, with_bias=config.with_bias,
-      precision=config.precision, backend=backend)
-  if index_given:
-    poison = nan_if_not_finite(dy2d)
-    dkernel = dkernel + poison.astype(dkernel.dtype)
-    if dbias is not None:
-      dbias = dbias + poison.astype(dbias.dtype)
-  grads = (dx.reshape(x.shape), dkernel, None if dbias is None else dbias.astype(bias.dtype))
-  # JAX would silently accept a cotangent of another dtype; a mismatch here is a backend bug.
-  for grad, primal, name in zip(grads, (x, kernel, bias), ("x", "kernel", "bias")):
-    if grad is not None and (grad.dtype, grad.shape) != (primal.dtype, primal.shape):
-      raise TypeError(f"SEBP backward produced d{name} of {grad.dtype}{list(grad.shape)} for "
-                      f"{name} of {primal.dtype}{list(primal.shape)}")
-  return (*grads, None)
+      x2d, kernel, dy2d, active_rows, with_bias=config.with_bias, precision=config.precision,
+      backend=backend, poison=nan_if_not_finite(dy2d) if index_given else None)
+  return (*_in_grad_dtypes((dx.reshape(x.shape), dkernel, dbias), config), None)
 
 
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
@@ -178,7 +184,7 @@ def validate_backend(backend: Any) -> str:
 
 def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: int,
                 threshold: float = 0.0, precision: Any = None, backend: str = "auto",
-                active_rows: Array | None = None) -> Array:
+                active_rows: Array | None = None, dtype: Any = None) -> Array:
   """``x @ kernel + bias`` with a sparse, top-N-row backward.
 
   Args:
@@ -198,10 +204,14 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
       sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`). Given, the backward
       skips scoring dY and uses it as is, so several layers can share one selection; it still
       reads dY once, so that a NaN/Inf in a skipped row makes dW and db NaN rather than vanish.
+    dtype: the compute dtype, as ``nn.Dense``'s ``dtype``: x, kernel and bias are cast to it
+      (None: to their promoted type, as ``flax.linen.dtypes.promote_dtype`` does).
 
   Returns:
-    ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype
-    promotion. The gradients w.r.t. x, kernel and bias keep the dtypes of the promoted primals.
+    ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype.
+    The gradients w.r.t. x, kernel and bias come in their own dtypes; those of kernel and bias
+    are rounded once from the float32 sums (not first to the compute dtype, as autodiff through
+    the cast would round them).
 
   Under ``jax.vmap`` the top-N applies to each mapped instance separately. The output is named
   ``SEBP_CHECKPOINT_NAME`` for remat policies.
@@ -211,9 +221,13 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   backend = validate_backend(backend)
   x, kernel, bias = (None if a is None else jnp.asarray(a) for a in (x, kernel, bias))
   _check_shapes(x, kernel, bias)
-  x, kernel, bias = promote_dtype(x, kernel, bias)
+  dtype = canonicalize_dtype(x, kernel, bias, dtype=dtype)
+  # Integer arguments have no gradient of their own dtype to come back in: cast them here.
+  x, kernel, bias = (a if a is None or jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(dtype)
+                     for a in (x, kernel, bias))
   active_rows = validate_active_rows(active_rows, top_n)
   config = SEBPConfig(top_n=top_n, threshold=threshold, precision=precision, backend=backend,
-                      with_bias=bias is not None)
+                      dtype=dtype, grad_dtypes=(x.dtype, kernel.dtype,
+                                                None if bias is None else bias.dtype))
   y = _sebp_linear(x, kernel, bias, active_rows, config)
   return checkpoint_name(y, SEBP_CHECKPOINT_NAME)

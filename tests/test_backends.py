@@ -38,7 +38,8 @@ def test_matches_float64_reference(backend, dtype, num_rows, in_features, out_fe
   x, kernel, dy = (jnp.asarray(a, dtype) for a in (x, kernel, dy))
   active_rows = select_active_rows(dy, top_n)
   dx, dkernel, dbias = _run(backend, x, kernel, dy, active_rows)
-  assert (dx.dtype, dkernel.dtype, dbias.dtype) == (dtype, dtype, dtype)
+  # dW and db stay in the float32 sums, for the caller to cast once to the params' dtypes.
+  assert (dx.dtype, dkernel.dtype, dbias.dtype) == (dtype, jnp.float32, jnp.float32)
   assert (dx.shape, dkernel.shape, dbias.shape) == (
       (num_rows, in_features), (in_features, out_features), (out_features,))
 
@@ -64,6 +65,27 @@ def test_without_bias(backend):
   expected_dx, expected_dkernel, _ = reference_backward(x, kernel, dy, rows)
   assert relative_error(dx, expected_dx) <= 1e-5
   assert relative_error(dkernel, expected_dkernel) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_poison_reaches_dkernel_and_dbias(backend):
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((16, 24)), jnp.bfloat16)
+  dy = jnp.asarray(random_sparse_rows(rng, 32, 24, 5), jnp.bfloat16)
+  active_rows = select_active_rows(dy, 8)  # 5 active rows, 3 sentinel slots
+  run = jax.jit(lambda poison: sparse_backward(x, kernel, dy, active_rows, with_bias=True,
+                                                backend=backend, poison=poison))
+  clean = _run(backend, x, kernel, dy, active_rows)
+  for got, want in zip(run(jnp.float32(0)), clean):  # a zero poison changes nothing
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  _, dkernel, dbias = run(jnp.float32(jnp.nan))
+  assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+  # Even with no kept row at all (every slot a sentinel).
+  empty = jnp.full((8,), 32, jnp.int32)
+  _, dkernel, dbias = jax.jit(lambda: sparse_backward(
+      x, kernel, dy, empty, with_bias=True, backend=backend, poison=jnp.float32(jnp.nan)))()
+  assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
 def test_unknown_backend_is_rejected():

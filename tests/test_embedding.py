@@ -125,6 +125,20 @@ def test_bad_arguments_name_what_was_expected():
     SEBPEmbed(5, 3, top_n=2).init(jax.random.key(0), jnp.ones((4,)))
 
 
+def test_float32_table_computed_in_bf16_gets_its_gradient_rounded_once():
+  rng = np.random.default_rng(6)
+  table, ids, dy = _problem(rng, shape=(4, 6))
+  dy = jnp.asarray(dy, jnp.bfloat16)
+  lookup = lambda t: sebp_embed_lookup(t, ids, top_n=12, dtype=jnp.bfloat16)
+  y, vjp = jax.vjp(lookup, jnp.asarray(table))
+  np.testing.assert_array_equal(y, jnp.take(jnp.asarray(table, jnp.bfloat16), ids, axis=0))
+  (d_table,) = vjp(dy.reshape(y.shape))
+  assert d_table.dtype == jnp.float32
+  want = reference_table_grad(11, ids.reshape(-1), dy, np.flatnonzero(np.asarray(
+      dy, np.float32).any(axis=1)))
+  np.testing.assert_allclose(d_table, want, rtol=1e-6, atol=1e-7)
+
+
 def test_sebp_embed_is_a_drop_in_for_nn_embed():
   embed_fields = {f.name: f.default for f in dataclasses.fields(nn.Embed)}
   sebp_fields = {f.name: f.default for f in dataclasses.fields(SEBPEmbed)}

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from reference import random_sparse_rows, reference_backward, relative_error
 from sebp_jax import SEBPDense, resolve_top_n
 
 
@@ -35,6 +36,53 @@ def test_forward_is_bit_identical_and_params_interchange(dtype, param_dtype, use
     want, got = apply(dense), apply(sebp)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_params_computed_in_low_precision_get_gradients_rounded_once(dtype):
+  # The cast to the compute dtype happens inside the op: dW and db come back in float32
+  # straight from the float32 sums, where autodiff through nn.Dense's cast rounds them to
+  # the compute dtype first. dX stays in the dtype of x.
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((2, 24, 16)), dtype)
+  dy = random_sparse_rows(rng, 48, 12, 20, np.float32).reshape(2, 24, 12)
+  dy = jnp.asarray(dy, dtype)
+  module = SEBPDense(12, dtype=dtype, top_n=24)
+  params = module.init(jax.random.key(0), x)
+  _, vjp = jax.vjp(lambda p, x: module.apply(p, x), params, x)
+  d_params, dx = vjp(dy)
+  d_kernel, d_bias = d_params["params"]["kernel"], d_params["params"]["bias"]
+  assert (dx.dtype, d_kernel.dtype, d_bias.dtype) == (dtype, jnp.float32, jnp.float32)
+  kernel = jnp.asarray(params["params"]["kernel"], dtype)
+  rows = np.flatnonzero(np.asarray(dy, np.float32).reshape(48, 12).any(axis=1))
+  want = reference_backward(x.reshape(48, 16), kernel, dy.reshape(48, 12), rows)
+  # Products of two 16-bit floats are exact in float32: only float32 summation error is left.
+  assert relative_error(d_kernel, want[1]) <= 1e-6
+  assert relative_error(d_bias, want[2]) <= 1e-6
+  assert relative_error(dx.reshape(48, 16), want[0]) <= {jnp.bfloat16: 1e-2,
+                                                         jnp.float16: 2e-3}[dtype]
+  _, dense_vjp = jax.vjp(lambda p: nn.Dense(12, dtype=dtype).apply(p, x), params)
+  (dense_params,) = dense_vjp(dy)  # rounded to the compute dtype, then widened
+  assert relative_error(dense_params["params"]["kernel"], want[1]) > 1e-5
+
+
+def test_a_custom_promote_dtype_is_applied_as_in_dense():
+  def promote_to_float16(*args, dtype=None, inexact=True):
+    del dtype, inexact
+    return [None if a is None else jnp.asarray(a, jnp.float16) for a in args]
+
+  x = jax.random.normal(jax.random.key(0), (4, 6, 10))
+  dense = nn.Dense(5, promote_dtype=promote_to_float16)
+  sebp = SEBPDense(5, promote_dtype=promote_to_float16, top_n=24)
+  params = dense.init(jax.random.key(1), x)
+  want, got = dense.apply(params, x), sebp.apply(params, x)
+  assert got.dtype == want.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  grad = lambda m: jax.grad(lambda p: jnp.sum(m.apply(p, x).astype(jnp.float32) ** 2))(params)
+  for a, b in zip(jax.tree.leaves(grad(sebp)), jax.tree.leaves(grad(dense))):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-2)
 
 
 class Classifier(nn.Module):

@@ -119,6 +119,11 @@ def test_mixed_dtypes_promote_like_flax_dense():
   assert y.dtype == jnp.float32
   dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_linear(x, k, top_n=2)), (0, 1))(x, kernel)
   assert dx.dtype == jnp.bfloat16 and dkernel.dtype == jnp.float32
+  # Integer inputs are cast up front (they have no gradient of their own dtype).
+  ints = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+  np.testing.assert_array_equal(sebp_linear(ints, kernel, top_n=2), ints @ kernel)
+  dkernel = jax.grad(lambda k: jnp.sum(sebp_linear(ints, k, top_n=4)))(kernel)
+  np.testing.assert_allclose(dkernel, np.repeat(ints.sum(0)[:, None], 2, 1).astype(np.float32))
 
 
 def test_nan_in_a_padding_row_stays_visible():
