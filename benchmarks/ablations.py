@@ -1,4 +1,4 @@
-"""Ablations: the measurements behind three design choices of the SEBP backward.
+"""Ablations: the measurements behind five design choices of the SEBP backward.
 
 Each study swaps one function of the library for its alternative (``unittest.mock.patch``)
 and times both side by side in one run:
@@ -11,10 +11,17 @@ and times both side by side in one run:
   (shipped), a column sum, ``all(isfinite)`` and no check at all.
 * ``embed-accumulation``: the SEBP embedding backward scattering into float32 (shipped) or
   into the table's 16-bit dtype.
+* ``poison``: the result of that check added to the gathered rows of dY (shipped: it fuses
+  into the gather) or to dW and db after the matmuls.
+* ``cast``: float32 params used in bf16 cast to bf16 inside the SEBP ops (shipped: dW comes
+  back in float32 straight from the float32 sums) or before them, as ``nn.Dense`` does (dW
+  is written in bf16, then widened to float32).
 
     python -m benchmarks.ablations dx --out ablations.jsonl
     python -m benchmarks.ablations check --model bert --model llama --out ablations.jsonl
     python -m benchmarks.ablations embed-accumulation --out ablations.jsonl
+    python -m benchmarks.ablations poison --out ablations.jsonl
+    python -m benchmarks.ablations cast --out ablations.jsonl
     python -m benchmarks.ablations check --tiny          # a CPU smoke run at toy sizes
 """
 
@@ -32,6 +39,7 @@ from tqdm import tqdm
 
 import sebp_jax.backends
 import sebp_jax.embedding
+import sebp_jax.layers
 import sebp_jax.ops
 from benchmarks import model as model_bench
 from benchmarks.layer import over_input_sets, time_ms
@@ -66,6 +74,23 @@ def _no_check(dy):
 
 CHECKS = {"row_max": sebp_jax.ops.nan_if_not_finite, "column_sum": _column_sum,
           "all_isfinite": _all_isfinite, "none": _no_check}
+
+_xla_sparse_backward = sebp_jax.backends.xla_sparse_backward
+
+
+def _poison_after_matmuls(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
+  """The alternative to poisoning the kept rows of dY: add the check to dW and db."""
+  dx, dkernel, dbias = _xla_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
+                                            precision=precision)
+  if poison is not None:
+    dkernel = dkernel + poison.astype(dkernel.dtype)
+    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
+  return dx, dkernel, dbias
+
+
+def _promote_before_the_op(module, *arrays, inexact=True):
+  """The alternative to casting inside the op: the module's own promotion, as nn.Dense does."""
+  return tuple(module.promote_dtype(*arrays, dtype=module.dtype, inexact=inexact)), None
 
 
 def _record(study: str, variant: str, **fields) -> dict:
@@ -121,19 +146,44 @@ def dx_study(repeats: int, tiny: bool) -> list[dict]:
   return records
 
 
-def _model_study(study: str, kinds, repeats: int, tiny: bool, variants) -> list[dict]:
-  """Backward of each model, dense and with the shared index under each variant's swaps."""
+def _model_study(study: str, kinds, repeats: int, tiny: bool, variants,
+                 rounds: int = 2) -> list[dict]:
+  """Backward of each model, dense and with the shared index under each variant's swaps.
+
+  Every variant is compiled first; then ``rounds`` rounds time them all in turn, so that a
+  drift of the device (clocks, heat) reaches every variant alike. The backward is the median
+  gradient time minus the dense forward's, the median over rounds.
+  """
   records = []
   for kind in kinds:
-    runs = []
-    for variant, swaps in [("dense", None), *variants]:
+    setup = model_bench.setup_for(kind, tiny)
+    model = model_bench.build_model(kind, tiny, jnp.bfloat16)
+    batch = model_bench.make_batch(kind, model, setup, 0)
+    top_n = int(batch["attention_mask"].sum())
+    args = (model.params, batch)
+    forward_ms = model_bench.median_ms(
+        jax.jit(model_bench.make_loss(kind, model, "dense", top_n, "auto")), args, repeats)
+    grads = {}
+    for variant, swaps in tqdm([("dense", None), *variants], desc=f"{study} {kind}",
+                               file=sys.stdout):
+      mode = "dense" if swaps is None else "sebp_shared"
       with _patched(swaps or []):
-        (row,) = model_bench.run(kind, ["dense" if swaps is None else "sebp_shared"], repeats,
-                                 tiny, 0, "auto")
-      runs.append({"study": study, "variant": variant, **row})  # row names device and jax
-    for record in runs:
-      record["backward_speedup_vs_dense"] = runs[0]["backward_ms"] / record["backward_ms"]
-    records += runs
+        grads[variant] = mode, jax.jit(jax.grad(model_bench.make_loss(
+            kind, model, mode, top_n, "auto")))
+        # Traced and compiled here, under the swaps; later calls reuse that executable.
+        jax.block_until_ready(grads[variant][1](*args))
+    times = {variant: [] for variant in grads}
+    for _ in range(rounds):
+      for variant, (_, grad) in grads.items():
+        times[variant].append(model_bench.median_ms(grad, args, repeats) - forward_ms)
+    for variant, (mode, _) in grads.items():
+      backward_ms = float(np.median(times[variant]))
+      records.append(_record(
+          study, variant, model=kind, setup=setup.name, mode=mode, tiny=tiny,
+          real_tokens=top_n, rows=int(batch["input_ids"].size), forward_ms=forward_ms,
+          backward_ms=backward_ms, backward_ms_rounds=times[variant], repeats=repeats,
+          compute_dtype="bfloat16",
+          backward_speedup_vs_dense=float(np.median(times["dense"])) / backward_ms))
   return records
 
 
@@ -148,6 +198,19 @@ def embed_accumulation_study(repeats: int, tiny: bool) -> list[dict]:
   return _model_study("embed-accumulation", ["bert"], repeats, tiny, [
       ("float32", []),
       ("table dtype", [(sebp_jax.embedding, "accumulation_dtype", lambda dtype: dtype)])])
+
+
+def poison_study(kinds, repeats: int, tiny: bool) -> list[dict]:
+  return _model_study("poison", kinds, repeats, tiny, [
+      ("kept rows of dY", []),
+      ("dW and db", [(sebp_jax.backends, "xla_sparse_backward", _poison_after_matmuls)])])
+
+
+def cast_study(kinds, repeats: int, tiny: bool) -> list[dict]:
+  return _model_study("cast", kinds, repeats, tiny, [
+      ("inside the op", []),
+      ("before the op", [(sebp_jax.layers, "promotion_for_sebp", _promote_before_the_op),
+                         (sebp_jax.embedding, "promotion_for_sebp", _promote_before_the_op)])])
 
 
 @contextlib.contextmanager
@@ -172,21 +235,23 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
-  parser.add_argument("study", choices=("dx", "check", "embed-accumulation"))
+  parser.add_argument("study", choices=("dx", "check", "embed-accumulation", "poison", "cast"))
   parser.add_argument("--model", choices=sorted(model_bench.SETUPS), action="append",
-                      help="model(s) of the check study (default: all)")
+                      help="model(s) of the check, poison and cast studies (default: all)")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke run)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   if args.repeats <= 0:
     parser.error("--repeats must be positive")
+  kinds = args.model or sorted(model_bench.SETUPS)
   if args.study == "dx":
     records = dx_study(args.repeats, args.tiny)
-  elif args.study == "check":
-    records = check_study(args.model or sorted(model_bench.SETUPS), args.repeats, args.tiny)
-  else:
+  elif args.study == "embed-accumulation":
     records = embed_accumulation_study(args.repeats, args.tiny)
+  else:
+    study = {"check": check_study, "poison": poison_study, "cast": cast_study}[args.study]
+    records = study(kinds, args.repeats, args.tiny)
   print_table(records)
   append_json_lines(args.out, records)
   return records

@@ -7,7 +7,7 @@
 #     STEP: tests, tune, bench, model, ablations (default: tests)
 #
 # BENCH_ARGS / TUNE_ARGS / MODEL_ARGS pass extra flags to benchmarks.layer /
-# benchmarks.tune_blocks / benchmarks.model. pytest, and transformers 4.x (the last
+# benchmarks.tune_blocks / benchmarks.model; ABLATIONS names the studies to run. pytest, and transformers 4.x (the last
 # line with Flax models) where the image has 5.x, are installed from wheels carried
 # in .whl/ (`bash ../shared/tools/device-wheels` fetches them).
 set -uo pipefail
@@ -45,7 +45,7 @@ for step in $steps; do
       timeout 600 python3 -m benchmarks.model --out "$out/model.jsonl" ${MODEL_ARGS:-} \
         2>"$out/model.err" | tee "$out/model.txt" || status=1 ;;
     ablations)
-      for study in dx check embed-accumulation; do
+      for study in ${ABLATIONS:-dx check embed-accumulation poison cast}; do
         timeout 600 python3 -m benchmarks.ablations "$study" --out "$out/ablations.jsonl" \
           2>>"$out/ablations.err" | tee -a "$out/ablations.txt" || status=1
       done ;;

@@ -63,14 +63,26 @@ def accumulation_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def dense_backward(x, kernel, dy, *, with_bias, precision):
+  """The dense backward, every row kept, in the contract of :func:`sparse_backward`."""
+  accumulate = accumulation_dtype(dy.dtype)
+  dx = lax.dot_general(dy, kernel, (((1,), (1,)), ((), ())), precision=precision,
+                       preferred_element_type=accumulate).astype(x.dtype)
+  dkernel = lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=accumulate)
+  dbias = jnp.sum(dy, axis=0, dtype=accumulate) if with_bias else None
+  return dx, dkernel, dbias
+
+
 def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
   """The jnp reference of :func:`sparse_backward` (see the module docstring for shapes)."""
   accumulate = accumulation_dtype(dy.dtype)
   dy_kept = _gather_rows(dy, active_rows)  # [K, N]
   if poison is not None:
     # Added to the kept rows, it fuses into their gather and reaches dX's kept rows, dW and db
-    # (every kept row, even a zero sentinel one, times NaN is NaN). Added to dW instead, it was
-    # a pass of its own over dW: Llama-1B shapes on an H100, backward 1.40x vs 1.31x of dense.
+    # (every kept row, even a zero sentinel one, times NaN is NaN). Added to dW and db after
+    # the matmuls instead, the model backward was slower: on an H100, 1.30x vs 1.39x of dense
+    # (Llama-1B shapes) and 2.08x vs 2.17x (BERT-base) (python -m benchmarks.ablations poison).
     dy_kept = dy_kept + poison.astype(dy_kept.dtype)
   x_kept = _gather_rows(x, active_rows)  # [K, D]
   dx_kept = lax.dot_general(

@@ -14,9 +14,10 @@ Why the choices:
   memory beyond the ``[top_n]`` index and the ``[top_n, *]`` gathered blocks.
 * The cast to the compute dtype (``dtype``, as ``nn.Dense`` does it) happens inside the op, so
   the gradients come back in the arguments' own dtypes straight from the float32 sums: a
-  float32 kernel used in bf16 gets a float32 dW written once, where autodiff through the cast
-  would write a bf16 dW, read it and write it again as float32.
-* With ``top_n >= T`` nothing can be skipped, and the plain dense backward runs; on GPU,
+  float32 kernel used in bf16 gets its dW rounded once, not first to bf16 as autodiff through
+  the cast would round it. (For precision: the speed was the same either way, H100, Llama-1B
+  shapes 1.40x vs 1.40x and BERT-base 2.30x vs 2.29x, ``python -m benchmarks.ablations cast``.)
+* With ``top_n >= T`` nothing can be skipped, and the dense backward runs; on GPU,
   ``backend="auto"`` also runs it where SEBP is predicted slower (small layers, many rows).
 """
 
@@ -35,7 +36,7 @@ from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from sebp_jax.backends import BACKEND_CHOICES, choose_backend, sparse_backward
+from sebp_jax.backends import BACKEND_CHOICES, choose_backend, dense_backward, sparse_backward
 from sebp_jax.selection import select_active_rows
 
 Array = jax.Array
@@ -126,9 +127,9 @@ def nan_if_not_finite(dy: Array) -> Array:
   and db NaN instead, so the error stays visible. It is one max over each row of dY and a max
   of those; it relies on XLA's max propagating NaN (its default; the GPU flag
   ``--xla_gpu_enable_fast_min_max`` would break that). Measured on an H100 with the shared
-  index, backward speedup over dense with this check / a single max / ``all(isfinite)`` / a
-  sum / no check at all: 2.25x / 2.25x / 2.22x / 2.20x / 2.55x on BERT-base and 1.40x /
-  1.39x / 1.40x / 1.38x / 1.43x on Llama-1B shapes (``benchmarks/RESULTS.md``).
+  index, backward speedup over dense with this check / ``all(isfinite)`` / a column sum / no
+  check at all: 2.22x / 2.18x / 2.15x / 2.47x on BERT-base and 1.39x / 1.40x / 1.32x / 1.44x
+  on Llama-1B shapes (``python -m benchmarks.ablations check``, ``benchmarks/RESULTS.md``).
   """
   row_max = jnp.max(jnp.abs(dy), axis=1)  # NaN propagates through max; |Inf| * 0 is NaN.
   # Multiplied before the cast, so that a finite float64 value past float32's range stays 0.
@@ -149,28 +150,29 @@ def _sebp_linear(x, kernel, bias, active_rows, config: SEBPConfig):
 def _sebp_linear_fwd(x, kernel, bias, active_rows, config: SEBPConfig):
   # The dense backward's residuals (the cast inputs), plus the [top_n] index if one was given.
   x, kernel, bias = promote_dtype(x, kernel, bias, dtype=config.dtype)
-  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, bias, active_rows)
+  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, active_rows)
 
 
 def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
-  x, kernel, bias, active_rows = residuals
+  x, kernel, active_rows = residuals
   num_rows = math.prod(x.shape[:-1])
   index_given = active_rows is not None
   backend = choose_backend(config.backend, num_rows=num_rows, in_features=kernel.shape[0],
                            out_features=kernel.shape[1], top_n=config.top_n,
                            itemsize=dy.dtype.itemsize, index_given=index_given)
-  if backend == "dense":  # What autodiff of nn.Dense computes, cast included.
-    _, dense_vjp = jax.vjp(functools.partial(_dense_forward, precision=config.precision),
-                           x, kernel, bias)
-    return (*_in_grad_dtypes(dense_vjp(dy), config), None)
   x2d = x.reshape(num_rows, x.shape[-1])
   dy2d = dy.reshape(num_rows, dy.shape[-1])
-  if not index_given:
-    active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
-  dx, dkernel, dbias = sparse_backward(
-      x2d, kernel, dy2d, active_rows, with_bias=config.with_bias, precision=config.precision,
-      backend=backend, poison=nan_if_not_finite(dy2d) if index_given else None)
-  return (*_in_grad_dtypes((dx.reshape(x.shape), dkernel, dbias), config), None)
+  if backend == "dense":
+    grads = dense_backward(x2d, kernel, dy2d, with_bias=config.with_bias,
+                           precision=config.precision)
+  else:
+    if not index_given:
+      active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
+    grads = sparse_backward(
+        x2d, kernel, dy2d, active_rows, with_bias=config.with_bias, precision=config.precision,
+        backend=backend, poison=nan_if_not_finite(dy2d) if index_given else None)
+  dx, dkernel, dbias = _in_grad_dtypes(grads, config)
+  return dx.reshape(x.shape), dkernel, dbias, None
 
 
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)

@@ -1,9 +1,13 @@
 import os
 import sys
 
+import jax
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# float32 dots in float32 everywhere: a GPU's default for them is TF32, ~1e-3 relative error,
+# which the float32 tolerances here (against float64 references) would not tolerate.
+jax.config.update("jax_default_matmul_precision", "highest")
 # Tests import the reference helpers (tests/reference.py) as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
 

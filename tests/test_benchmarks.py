@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import sebp_jax
+import sebp_jax.backends
+import sebp_jax.layers
 import sebp_jax.ops
 from benchmarks import ablations, layer, model
 
@@ -64,7 +66,48 @@ def test_ablation_studies_run_and_agree(tmp_path):
                           "--out", str(out)])
   assert [r["variant"] for r in check] == ["dense", *ablations.CHECKS]
   assert all(r["backward_ms"] > 0 and r["mode"] in ("dense", "sebp_shared") for r in check)
-  assert len(out.read_text().splitlines()) == len(dx) + len(check)
+  records = len(dx) + len(check)
+  for study, variants in (("poison", ["kept rows of dY", "dW and db"]),
+                          ("cast", ["inside the op", "before the op"])):
+    got = ablations.main([study, "--tiny", "--model", "llama", "--repeats", "1",
+                          "--out", str(out)])
+    assert [r["variant"] for r in got] == ["dense", *variants]
+    assert all(len(r["backward_ms_rounds"]) == 2 for r in got)
+    records += len(got)
+  assert len(out.read_text().splitlines()) == records
+
+
+def test_ablation_poison_and_cast_variants_take_effect():
+  """Swapped in as the studies do, each alternative acts on the real backward."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16)
+  g = rng.standard_normal((8, 4)).astype(np.float32)
+  g[5:] = 0
+  g[6, 2] = np.nan
+  rows = jnp.arange(5, dtype=jnp.int32)
+  kernel = jnp.asarray(rng.standard_normal((3, 4)), jnp.bfloat16)
+  for swaps in ([], [(sebp_jax.backends, "xla_sparse_backward",
+                      ablations._poison_after_matmuls)]):
+    with ablations._patched(swaps):
+      dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_jax.sebp_linear(
+          x, k, top_n=5, active_rows=rows).astype(jnp.float32) * g), (0, 1))(x, kernel)
+    assert np.isnan(np.asarray(dkernel, np.float32)).all()
+    # Poisoned rows of dY reach dX's kept rows too; poisoned sums leave dX alone.
+    assert np.isnan(np.asarray(dx, np.float32)[:5]).all() == (not swaps)
+  params = {"params": {"kernel": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+                       "bias": jnp.zeros(4)}}
+  layer = sebp_jax.SEBPDense(4, dtype=jnp.bfloat16, top_n=8)
+  dy = jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16)
+  kernels = []
+  for swaps in ([], [(sebp_jax.layers, "promotion_for_sebp",
+                      ablations._promote_before_the_op)]):
+    with ablations._patched(swaps):
+      _, vjp = jax.vjp(lambda p: layer.apply(p, x), params)
+      kernels.append(np.asarray(vjp(dy)[0]["params"]["kernel"]))
+  # Cast before the op, dW is rounded to bf16 first: representable in bf16, unlike inside.
+  as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+  assert not np.array_equal(kernels[0], as_bf16(kernels[0]))
+  np.testing.assert_array_equal(kernels[1], as_bf16(kernels[1]))
 
 
 def test_ablation_check_variants_take_effect():

@@ -115,8 +115,9 @@ def test_decorator_form_and_grad(tiny_bert):
   sebp_loss = use_sebp(top_n=int(mask.sum()))(dense_loss)
   assert_every_gradient_close(jax.jit(jax.grad(sebp_loss))(tiny_bert.params),
                      jax.grad(dense_loss)(tiny_bert.params))
-  # Too small a top_n must change the gradient: the interceptor really acts.
-  starved = use_sebp(top_n=2)(dense_loss)
+  # Too small a top_n must change the gradient: the interceptor really acts. ("xla": "auto"
+  # runs layers this small dense on a GPU, keeping every row.)
+  starved = use_sebp(top_n=2, backend="xla")(dense_loss)
   got = jax.grad(starved)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   want = jax.grad(dense_loss)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   assert not np.allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-3)
@@ -237,7 +238,7 @@ def test_scan_and_remat_inside_use_sebp(shared_index):
   assert report.embeddings == ["embed"] and report.num_swapped == 1
   assert len(report.shared_index) == (2 if shared_index else 0)
   # Too few rows must change the scanned layers' gradient: the interceptor acts under scan.
-  with use_sebp(top_n=2, active_mask=mask if shared_index else None):
+  with use_sebp(top_n=2, active_mask=mask if shared_index else None, backend="xla"):
     starved = jax.grad(lambda p: ScannedModel().apply(p, ids, mask))(params)
   assert not np.allclose(starved["params"]["layers"]["up_proj"]["kernel"],
                          got["params"]["layers"]["up_proj"]["kernel"])

@@ -91,8 +91,8 @@ class Classifier(nn.Module):
   top_n: int | float = 1.0
 
   def _dense(self, features, name):
-    if self.dense_cls is SEBPDense:
-      return SEBPDense(features, top_n=self.top_n, name=name)
+    if self.dense_cls is SEBPDense:  # "xla": "auto" runs such small layers dense on a GPU.
+      return SEBPDense(features, top_n=self.top_n, backend="xla", name=name)
     return nn.Dense(features, name=name)
 
   @nn.compact
