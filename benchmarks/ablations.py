@@ -121,7 +121,7 @@ def dx_study(repeats: int, tiny: bool) -> list[dict]:
       def backward(x, kernel, dy, rows, residual):
         dx, dkernel, _ = sebp_jax.backends.sparse_backward(
             x, kernel, dy, rows, with_bias=False, backend=backend)
-        return dx + residual, dkernel
+        return dx + residual, dkernel.astype(kernel.dtype)  # as sebp_linear returns it
       return backward
 
     variants = {
@@ -167,11 +167,9 @@ def _model_study(study: str, kinds, repeats: int, tiny: bool, variants,
     for variant, swaps in tqdm([("dense", None), *variants], desc=f"{study} {kind}",
                                file=sys.stdout):
       mode = "dense" if swaps is None else "sebp_shared"
-      with _patched(swaps or []):
+      with _patched(swaps or []):  # Traced and compiled here, under the swaps.
         grads[variant] = mode, jax.jit(jax.grad(model_bench.make_loss(
-            kind, model, mode, top_n, "auto")))
-        # Traced and compiled here, under the swaps; later calls reuse that executable.
-        jax.block_until_ready(grads[variant][1](*args))
+            kind, model, mode, top_n, "auto"))).lower(*args).compile()
     times = {variant: [] for variant in grads}
     for _ in range(rounds):
       for variant, (_, grad) in grads.items():

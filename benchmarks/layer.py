@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from sebp_jax import backends
 from sebp_jax.backends import choose_backend, sparse_backward
 from sebp_jax.selection import select_active_rows
 
@@ -132,26 +133,32 @@ def dense_backward(x, kernel, bias, dy):
 
 
 def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
-  """The backward as ``sebp_linear`` runs it; ``"auto"`` resolves (possibly to the dense
-  backward) with the library's own :func:`choose_backend`, from the static shapes."""
+  """The backward as ``sebp_linear`` runs it (dW and db cast from the float32 sums to the
+  params' dtype at the end); ``"auto"`` resolves (possibly to the dense backward) with the
+  library's own :func:`choose_backend`, from the static shapes."""
   top_n = case.num_kept
   backend = choose_backend(backend, num_rows=case.num_rows, in_features=case.d,
                            out_features=case.n, top_n=top_n,
                            itemsize=jnp.dtype(case.dtype).itemsize,
                            index_given=index_mode == "given")
+
+  def in_param_dtypes(kernel, dy, grads):
+    dx, dkernel, dbias = grads
+    return dx, dkernel.astype(kernel.dtype), dbias.astype(dy.dtype)
+
   if backend == "dense":
     def run(x, kernel, dy, *unused_rows):
-      _, vjp = jax.vjp(lambda x_, k_: x_ @ k_, x, kernel)
-      return (*vjp(dy), jnp.sum(dy, axis=0))
+      return in_param_dtypes(kernel, dy, backends.dense_backward(
+          x, kernel, dy, with_bias=True, precision=None))
   elif index_mode == "selected":
     def run(x, kernel, dy):
       active_rows = select_active_rows(dy, top_n, 0.0)
-      return sparse_backward(x, kernel, dy, active_rows, with_bias=True,
-                             precision=None, backend=backend)
+      return in_param_dtypes(kernel, dy, sparse_backward(
+          x, kernel, dy, active_rows, with_bias=True, precision=None, backend=backend))
   else:
     def run(x, kernel, dy, active_rows):
-      return sparse_backward(x, kernel, dy, active_rows, with_bias=True,
-                             precision=None, backend=backend)
+      return in_param_dtypes(kernel, dy, sparse_backward(
+          x, kernel, dy, active_rows, with_bias=True, precision=None, backend=backend))
   return run
 
 

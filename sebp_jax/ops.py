@@ -56,7 +56,8 @@ class SEBPConfig:
   backend: str
   #: The compute dtype, as ``nn.Dense.dtype``: x, kernel and bias are cast to it inside the op.
   dtype: Any
-  #: The dtypes of x, kernel and bias as given (None without bias): those of their gradients.
+  #: The dtypes of x, kernel and bias as given (integers already cast to ``dtype``; None
+  #: without bias): those of their gradients.
   grad_dtypes: tuple[Any, Any, Any]
 
   @property

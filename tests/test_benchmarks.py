@@ -89,14 +89,15 @@ def test_ablation_poison_and_cast_variants_take_effect():
   for swaps in ([], [(sebp_jax.backends, "xla_sparse_backward",
                       ablations._poison_after_matmuls)]):
     with ablations._patched(swaps):
-      dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_jax.sebp_linear(
-          x, k, top_n=5, active_rows=rows).astype(jnp.float32) * g), (0, 1))(x, kernel)
+      dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_jax.sebp_linear(  # "auto": dense on GPU
+          x, k, top_n=5, active_rows=rows, backend="xla").astype(jnp.float32) * g),
+                             (0, 1))(x, kernel)
     assert np.isnan(np.asarray(dkernel, np.float32)).all()
     # Poisoned rows of dY reach dX's kept rows too; poisoned sums leave dX alone.
     assert np.isnan(np.asarray(dx, np.float32)[:5]).all() == (not swaps)
   params = {"params": {"kernel": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
                        "bias": jnp.zeros(4)}}
-  layer = sebp_jax.SEBPDense(4, dtype=jnp.bfloat16, top_n=8)
+  layer = sebp_jax.SEBPDense(4, dtype=jnp.bfloat16, top_n=8, backend="xla")
   dy = jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16)
   kernels = []
   for swaps in ([], [(sebp_jax.layers, "promotion_for_sebp",
@@ -124,8 +125,8 @@ def test_ablation_check_variants_take_effect():
   want_nan_columns = {"row_max": 4, "all_isfinite": 4, "column_sum": 1, "none": 0}
   for name, check in ablations.CHECKS.items():
     with ablations._patched([(sebp_jax.ops, "nan_if_not_finite", check)]):
-      dkernel = jax.grad(lambda k: jnp.sum(
-          sebp_jax.sebp_linear(x, k, top_n=5, active_rows=rows) * g))(kernel)
+      dkernel = jax.grad(lambda k: jnp.sum(sebp_jax.sebp_linear(  # "auto": dense on a GPU
+          x, k, top_n=5, active_rows=rows, backend="xla") * g))(kernel)
     nan_columns = np.isnan(np.asarray(dkernel)).all(axis=0)
     assert nan_columns.sum() == want_nan_columns[name], name
     assert not np.isnan(np.asarray(dkernel)[:, ~nan_columns]).any(), name

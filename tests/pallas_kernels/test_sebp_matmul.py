@@ -98,6 +98,21 @@ def test_gathered_dx(num_rows, d, n, num_slots, num_selected, dtype, blocks):
     assert _relative_error(dx[rows], expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("blocks", [SMALL_BLOCKS, SPLIT_BLOCKS], ids=["one-split", "split"])
+def test_gathered_dw_db_float32_out(blocks):
+  # How sebp_jax.backends calls the kernel: bf16 operands, float32 sums stored as they are.
+  rng = np.random.default_rng(21)
+  x = _random(rng, (100, 40), jnp.bfloat16)
+  dy = _random(rng, (100, 72), jnp.bfloat16)
+  active_rows, rows = _active_rows(rng, 100, 48, 33)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, out_dtype=jnp.float32,
+                          block_sizes=blocks, interpret=INTERPRET)
+  assert dw.dtype == db.dtype == jnp.float32
+  # Products of bf16 values are exact in float32: only float32 summation error remains.
+  assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < 1e-6
+  assert _relative_error(db, _f64(dy)[rows].sum(axis=0)) < 1e-6
+
+
 @pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
 @pytest.mark.parametrize("blocks,dtype,with_bias", DW_CONFIGS)
 def test_gathered_dw_db(num_rows, d, n, num_slots, num_selected, dtype, blocks,
