@@ -102,8 +102,8 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
       skipped row makes ``d_table`` NaN.
     dtype: the compute dtype, as ``nn.Embed``'s ``dtype``: the table is cast to it for the
       lookup (None: no cast); its gradient comes back in the table's own dtype, rounded once
-      from the float32 sums (when ``top_n >= T`` with no index runs autodiff of the plain
-      lookup instead, it accumulates in the compute dtype, as ``nn.Embed``'s does).
+      from the float32 sums. (With ``top_n >= T`` and no index, the plain lookup runs and
+      autodiff accumulates in the compute dtype, as for ``nn.Embed``.)
 
   Returns:
     ``[..., F]``, bit-identical to ``jnp.take(table.astype(dtype), ids, axis=0)``.
