@@ -82,10 +82,7 @@ def _poison_after_matmuls(x, kernel, dy, active_rows, *, with_bias, precision, p
   """The alternative to poisoning the kept rows of dY: add the check to dW and db."""
   dx, dkernel, dbias = _xla_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
                                             precision=precision)
-  if poison is not None:
-    dkernel = dkernel + poison.astype(dkernel.dtype)
-    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
-  return dx, dkernel, dbias
+  return (dx, *sebp_jax.backends.poison_sums(dkernel, dbias, poison))
 
 
 def _promote_before_the_op(module, *arrays, inexact=True):

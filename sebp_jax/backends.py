@@ -74,9 +74,18 @@ def dense_backward(x, kernel, dy, *, with_bias, precision):
   return dx, dkernel, dbias
 
 
+def poison_sums(dkernel, dbias, poison):
+  """``(dkernel, dbias)`` plus ``poison`` (0 or NaN), for a backend that cannot poison dY's
+  kept rows before its sums."""
+  if poison is None:
+    return dkernel, dbias
+  return (dkernel + poison.astype(dkernel.dtype),
+          None if dbias is None else dbias + poison.astype(dbias.dtype))
+
+
 def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
-  """The jnp reference of :func:`sparse_backward` (see the module docstring for shapes)."""
-  accumulate = accumulation_dtype(dy.dtype)
+  """The jnp reference of :func:`sparse_backward`: the dense backward of the kept rows, dX
+  spread back to all T rows (see the module docstring for shapes)."""
   dy_kept = _gather_rows(dy, active_rows)  # [K, N]
   if poison is not None:
     # Added to the kept rows, it fuses into their gather and reaches dX's kept rows, dW and db
@@ -84,16 +93,9 @@ def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poi
     # the matmuls instead, the model backward was slower: on an H100, 1.30x vs 1.39x of dense
     # (Llama-1B shapes) and 2.08x vs 2.17x (BERT-base) (python -m benchmarks.ablations poison).
     dy_kept = dy_kept + poison.astype(dy_kept.dtype)
-  x_kept = _gather_rows(x, active_rows)  # [K, D]
-  dx_kept = lax.dot_general(
-      dy_kept, kernel, (((1,), (1,)), ((), ())), precision=precision,
-      preferred_element_type=accumulate)  # [K, D]
-  dx = _spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0])
-  dkernel = lax.dot_general(
-      x_kept, dy_kept, (((0,), (0,)), ((), ())), precision=precision,
-      preferred_element_type=accumulate)
-  dbias = jnp.sum(dy_kept, axis=0, dtype=accumulate) if with_bias else None
-  return dx, dkernel, dbias
+  dx_kept, dkernel, dbias = dense_backward(_gather_rows(x, active_rows), kernel, dy_kept,
+                                           with_bias=with_bias, precision=precision)
+  return _spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
 
 
 def pallas_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
@@ -106,10 +108,8 @@ def pallas_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, 
   dkernel, dbias = pallas_kernels.gathered_dw_db(
       x, dy, active_rows, with_bias=with_bias, precision=precision, interpret=interpret,
       out_dtype=accumulation_dtype(dy.dtype))
-  if poison is not None:  # The kernels gather dY themselves: poison their outputs.
-    dkernel = dkernel + poison.astype(dkernel.dtype)
-    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
-  return dx, dkernel, dbias
+  # The kernels gather dY themselves: poison their sums instead.
+  return (dx, *poison_sums(dkernel, dbias, poison))
 
 
 def sparse_backward(x: Array, kernel: Array, dy: Array, active_rows: Array, *,
