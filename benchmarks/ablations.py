@@ -1,4 +1,4 @@
-"""Ablations: the measurements behind five design choices of the SEBP backward.
+"""Ablations: the measurements behind six design choices of the SEBP backward.
 
 Each study swaps one function of the library for its alternative (``unittest.mock.patch``)
 and times both side by side in one run:
@@ -16,12 +16,16 @@ and times both side by side in one run:
 * ``cast``: float32 params used in bf16 cast to bf16 inside the SEBP ops (shipped: dW comes
   back in float32 straight from the float32 sums) or before them, as ``nn.Dense`` does (dW
   is written in bf16, then widened to float32).
+* ``store``: the reduced matmuls of one layer (dX and dW of K kept rows, bf16 operands) storing
+  their bf16 result themselves from their float32 sums (shipped) or returning float32 that a
+  cast then rounds (the same numbers, one more pass).
 
     python -m benchmarks.ablations dx --out ablations.jsonl
     python -m benchmarks.ablations check --model bert --model llama --out ablations.jsonl
     python -m benchmarks.ablations embed-accumulation --out ablations.jsonl
     python -m benchmarks.ablations poison --out ablations.jsonl
     python -m benchmarks.ablations cast --out ablations.jsonl
+    python -m benchmarks.ablations store --out ablations.jsonl
     python -m benchmarks.ablations check --tiny          # a CPU smoke run at toy sizes
 """
 
@@ -51,6 +55,10 @@ DX_CASES = ((16384, 768, 768, 319), (16384, 768, 3072, 319), (16384, 3072, 768, 
             (16384, 768, 3072, 3277), (4096, 2048, 8192, 577), (4096, 8192, 2048, 577),
             (4096, 2048, 2048, 577))
 TINY_DX_CASES = ((256, 64, 96, 20),)
+#: (kept rows K, D, N): 20% of T=16384 at Llama-3.2 and bert-base shapes, and Llama-1B's 577.
+STORE_CASES = ((3277, 2048, 8192), (3277, 8192, 2048), (3277, 3072, 8192), (577, 2048, 8192),
+               (3277, 768, 3072))
+TINY_STORE_CASES = ((40, 64, 96),)
 
 
 def _spread_rows_by_scatter(kept, rows, num_rows):
@@ -78,11 +86,12 @@ CHECKS = {"row_max": sebp_jax.ops.nan_if_not_finite, "column_sum": _column_sum,
 _xla_sparse_backward = sebp_jax.backends.xla_sparse_backward
 
 
-def _poison_after_matmuls(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
+def _poison_after_matmuls(x, kernel, dy, active_rows, *, poison=None, **options):
   """The alternative to poisoning the kept rows of dY: add the check to dW and db."""
-  dx, dkernel, dbias = _xla_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
-                                            precision=precision)
-  return (dx, *sebp_jax.backends.poison_sums(dkernel, dbias, poison))
+  dx, dkernel, dbias = _xla_sparse_backward(x, kernel, dy, active_rows, **options)
+  if poison is None:
+    return dx, dkernel, dbias
+  return dx, dkernel + poison, None if dbias is None else dbias + poison
 
 
 def _promote_before_the_op(module, *arrays, inexact=True):
@@ -117,8 +126,8 @@ def dx_study(repeats: int, tiny: bool) -> list[dict]:
     def sparse(backend):
       def backward(x, kernel, dy, rows, residual):
         dx, dkernel, _ = sebp_jax.backends.sparse_backward(
-            x, kernel, dy, rows, with_bias=False, backend=backend)
-        return dx + residual, dkernel.astype(kernel.dtype)  # as sebp_linear returns it
+            x, kernel, dy, rows, with_bias=False, backend=backend, dkernel_dtype=kernel.dtype)
+        return dx + residual, dkernel
       return backward
 
     variants = {
@@ -140,6 +149,35 @@ def dx_study(repeats: int, tiny: bool) -> list[dict]:
     for name, ms in times.items():
       records.append(_record("dx", name, tokens=num_rows, d=d, n=n, kept_rows=kept, ms=ms,
                              speedup_vs_dense=times["dense"] / ms))
+  return records
+
+
+def store_study(repeats: int, tiny: bool) -> list[dict]:
+  contract = {"dX": (((1,), (1,)), ((), ())), "dW": (((0,), (0,)), ((), ()))}
+  records = []
+  for kept, d, n in tqdm(TINY_STORE_CASES if tiny else STORE_CASES, desc="store",
+                         file=sys.stdout):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x_kept = jax.random.normal(keys[0], (kept, d), jnp.bfloat16)
+    dy_kept = jax.random.normal(keys[1], (kept, n), jnp.bfloat16)
+    kernel = jax.random.normal(keys[2], (d, n), jnp.bfloat16)
+    for output, dims in contract.items():
+      operands = (dy_kept, kernel) if output == "dX" else (x_kept, dy_kept)
+      variants = {
+          "stored by the matmul": lambda a, b, dims=dims: jax.lax.dot_general(
+              a, b, dims, preferred_element_type=jnp.bfloat16),
+          "float32, then cast": lambda a, b, dims=dims: jax.lax.dot_general(
+              a, b, dims, preferred_element_type=jnp.float32).astype(jnp.bfloat16)}
+      times, results = {}, {}
+      for name, fn in variants.items():
+        compiled = jax.jit(fn)
+        results[name] = np.asarray(compiled(*operands), np.float32)
+        times[name] = time_ms(compiled, *operands, repeats=repeats)
+      # The same float32 sums rounded once either way (up to the matmuls' summation order).
+      np.testing.assert_allclose(*results.values(), rtol=2**-7, atol=1e-3)
+      for name, ms in times.items():
+        records.append(_record("store", name, output=output, kept_rows=kept, d=d, n=n, ms=ms,
+                               speedup_vs_cast=times["float32, then cast"] / ms))
   return records
 
 
@@ -218,19 +256,26 @@ def _patched(swaps):
 
 
 def print_table(records) -> None:
+  """One line per record; the ratio is to dense (to the cast, in the store study)."""
   for r in records:
-    where = (f"T={r['tokens']} {r['d']}x{r['n']} K={r['kept_rows']}" if r["study"] == "dx"
-             else r["model"])
-    ms = r["ms"] if r["study"] == "dx" else r["backward_ms"]
-    speedup = r.get("speedup_vs_dense", r.get("backward_speedup_vs_dense"))
-    print(f"{r['study']:18} {where:28} {r['variant']:20} {ms:9.3f} ms  {speedup:5.2f}x")
+    if r["study"] == "dx":
+      where = f"T={r['tokens']} {r['d']}x{r['n']} K={r['kept_rows']}"
+    elif r["study"] == "store":
+      where = f"{r['output']} {r['d']}x{r['n']} K={r['kept_rows']}"
+    else:
+      where = r["model"]
+    ms = r.get("ms", r.get("backward_ms"))
+    ratio = r.get("speedup_vs_dense", r.get("backward_speedup_vs_dense",
+                                            r.get("speedup_vs_cast")))
+    print(f"{r['study']:18} {where:28} {r['variant']:20} {ms:9.3f} ms  {ratio:5.2f}x")
 
 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
-  parser.add_argument("study", choices=("dx", "check", "embed-accumulation", "poison", "cast"))
+  parser.add_argument("study", choices=("dx", "check", "embed-accumulation", "poison", "cast",
+                                        "store"))
   parser.add_argument("--model", choices=sorted(model_bench.SETUPS), action="append",
                       help="model(s) of the check, poison and cast studies (default: all)")
   parser.add_argument("--repeats", type=int, default=7)
@@ -244,6 +289,8 @@ def main(argv=None) -> list[dict]:
     records = dx_study(args.repeats, args.tiny)
   elif args.study == "embed-accumulation":
     records = embed_accumulation_study(args.repeats, args.tiny)
+  elif args.study == "store":
+    records = store_study(args.repeats, args.tiny)
   else:
     study = {"check": check_study, "poison": poison_study, "cast": cast_study}[args.study]
     records = study(kinds, args.repeats, args.tiny)

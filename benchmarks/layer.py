@@ -9,7 +9,11 @@ sees, each a median over repeats with a device sync:
 
 * ``dense``: ``jax.vjp`` of ``x @ W + b``, the full backward;
 * ``xla`` / ``pallas``: ``sparse_backward`` with the index ``selected`` from dY inside
-  the timed function (``select_active_rows``) or ``given`` (precomputed).
+  the timed function (``select_active_rows``) or ``given`` (precomputed);
+* ``kept_matmuls``: the dense backward of the kept rows alone, handed over as contiguous
+  ``[K, D]`` / ``[K, N]`` arrays (index ``pregathered``): what the reduced matmuls cost at
+  cuBLAS speed with no selection, gather or spread, so the floor of any backend that fuses
+  its gathers into cuBLAS-class matmuls. Not a valid backward (dX has K rows, not T).
 
 The roofline bound of each variant is its FLOPs at the measured matmul rate plus the
 bytes it must move at the measured copy rate (both measured in the same run). Results
@@ -133,8 +137,8 @@ def dense_backward(x, kernel, bias, dy):
 
 
 def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
-  """The backward as ``sebp_linear`` runs it (dW and db cast from the float32 sums to the
-  params' dtype at the end); ``"auto"`` resolves (possibly to the dense backward) with the
+  """The backward as ``sebp_linear`` runs it (dW stored in the kernel's dtype by its matmul, db
+  cast from its float32 sum); ``"auto"`` resolves (possibly to the dense backward) with the
   library's own :func:`choose_backend`, from the static shapes."""
   top_n = case.num_kept
   backend = choose_backend(backend, num_rows=case.num_rows, in_features=case.d,
@@ -142,24 +146,27 @@ def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
                            itemsize=jnp.dtype(case.dtype).itemsize,
                            index_given=index_mode == "given")
 
-  def in_param_dtypes(kernel, dy, grads):
-    dx, dkernel, dbias = grads
-    return dx, dkernel.astype(kernel.dtype), dbias.astype(dy.dtype)
+  def backward(x, kernel, dy, active_rows):
+    options = dict(with_bias=True, precision=None, dkernel_dtype=kernel.dtype)
+    if backend == "dense":
+      dx, dkernel, dbias = backends.dense_backward(x, kernel, dy, **options)
+    else:
+      if active_rows is None:
+        active_rows = select_active_rows(dy, top_n, 0.0)
+      dx, dkernel, dbias = sparse_backward(x, kernel, dy, active_rows, backend=backend,
+                                           **options)
+    return dx, dkernel, dbias.astype(dy.dtype)
 
-  if backend == "dense":
-    def run(x, kernel, dy, *unused_rows):
-      return in_param_dtypes(kernel, dy, backends.dense_backward(
-          x, kernel, dy, with_bias=True, precision=None))
-  elif index_mode == "selected":
-    def run(x, kernel, dy):
-      active_rows = select_active_rows(dy, top_n, 0.0)
-      return in_param_dtypes(kernel, dy, sparse_backward(
-          x, kernel, dy, active_rows, with_bias=True, precision=None, backend=backend))
-  else:
-    def run(x, kernel, dy, active_rows):
-      return in_param_dtypes(kernel, dy, sparse_backward(
-          x, kernel, dy, active_rows, with_bias=True, precision=None, backend=backend))
-  return run
+  if index_mode == "selected":
+    return lambda x, kernel, dy: backward(x, kernel, dy, None)
+  return backward
+
+
+def kept_matmuls(x_kept, kernel, dy_kept):
+  """The dense backward of rows gathered beforehand, as the op runs it."""
+  dx, dkernel, dbias = backends.dense_backward(x_kept, kernel, dy_kept, with_bias=True,
+                                               precision=None, dkernel_dtype=kernel.dtype)
+  return dx, dkernel, dbias.astype(dy_kept.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +200,9 @@ def _variants(case: Case):
       fn = make_sparse_backward(backend, index_mode, case)
       args = (x, kernel, dy) + ((rows,) if index_mode == "given" else ())
       yield backend, index_mode, fn, args
+  x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
+  dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
+  yield "kept_matmuls", "pregathered", kept_matmuls, (x_kept, kernel, dy_kept)
 
 
 def compile_all(cases, threads: int, input_sets: int):
@@ -292,15 +302,17 @@ def main(argv=None):
     inputs = {
         mode: [(x, kernel, bias, dy) if mode == "dense" else
                (x, kernel, dy) if mode == "selected" else
-               (x, kernel, dy, active_rows)
+               (x, kernel, dy, active_rows) if mode == "given" else
+               (x[active_rows], kernel, dy[active_rows])
                for x, kernel, bias, dy, active_rows in input_sets]
-        for mode in ("dense", "selected", "given")}
+        for mode in ("dense", "selected", "given", "pregathered")}
     dense_ms = None
     for backend, mode, _, _ in _variants(case):
       ms = time_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
                    repeats=args.repeats, work_items=args.input_sets)
       dense_ms = ms if backend == "dense" else dense_ms
-      bound = roofline_ms(case.d, case.n, case.num_rows,
+      bound = roofline_ms(case.d, case.n,
+                          case.num_kept if backend == "kept_matmuls" else case.num_rows,
                           case.num_rows if backend == "dense" else case.num_kept,
                           jnp.dtype(case.dtype).itemsize, rates,
                           selected=mode == "selected")
@@ -326,7 +338,7 @@ def main(argv=None):
 def print_table(records):
   """One line per case: times; speedups over dense (index selected, and auto
   selected / given); Pallas over XLA (selected, then given); Pallas (selected)
-  time over its roofline."""
+  time over its roofline; XLA (index given) over the kept rows' matmuls alone."""
   by_case = {}
   for r in records:
     key = (r["shape"], r["tokens"], r["kept_percent"])
@@ -334,7 +346,8 @@ def print_table(records):
   header = (f"{'shape':>10} {'T':>6} {'kept':>4} | {'dense':>7} "
             f"{'xla-sel':>7} {'pal-sel':>7} {'xla-giv':>7} {'pal-giv':>7} ms | "
             f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal':>7} "
-            f"{'xla/pal':>7} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8}")
+            f"{'xla/pal':>7} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} | "
+            f"{'matmuls':>7} {'xla-giv/mm':>10}")
   print(header)
   print("-" * len(header))
   for (shape, tokens, kept), v in by_case.items():
@@ -348,7 +361,9 @@ def print_table(records):
           f"{ms['xla', 'given'] / ms['pallas', 'given']:6.2f}x "
           f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x | "
           f"{v['auto', 'selected']['speedup_over_dense']:7.2f}x "
-          f"{v['auto', 'given']['speedup_over_dense']:7.2f}x")
+          f"{v['auto', 'given']['speedup_over_dense']:7.2f}x | "
+          f"{ms['kept_matmuls', 'pregathered']:7.3f} "
+          f"{ms['xla', 'given'] / ms['kept_matmuls', 'pregathered']:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -65,10 +65,10 @@ def _kernels(case: Case):
         dy_, k_, r_, block_sizes=b, interpret=interpret)
     yield "dx", blocks, fn, (dy, kernel, rows)
   for blocks in DW_CANDIDATES:
-    # float32 stores, as sebp_jax.backends calls the kernel.
+    # float32 stores, as sebp_jax.backends calls the kernel for float32 parameters.
     fn = lambda x_, dy_, r_, b=blocks: gathered_dw_db(
-        x_, dy_, r_, with_bias=True, out_dtype=jnp.float32, block_sizes=b,
-        interpret=interpret)
+        x_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
+        block_sizes=b, interpret=interpret)
     yield "dw", blocks, fn, (x, dy, rows)
 
 

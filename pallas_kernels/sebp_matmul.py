@@ -11,7 +11,9 @@ out-of-range sentinel ``T``) and computes
 
 The kernels gather the selected rows straight from ``dy`` / ``x`` in device
 memory (integer-array indexers on the leading dimension of whole-array refs),
-so no gathered copy of either is ever materialised.
+so no gathered copy of either is ever materialised. dx comes either as all
+``T`` rows (the kernel writes the zeros too) or as the ``K`` kept rows alone,
+for a caller that spreads them where they are consumed.
 
 They target the Pallas Triton backend (selected through
 ``plgpu.CompilerParams``); since jax 0.11 that backend is deprecated, which is
@@ -167,9 +169,9 @@ def _gathered_dx_kernel(
     active_rows_ref,  # int32[K], K >= 1
     dy_ref,  # [T, N]
     kernel_ref,  # [D, N]
-    dx_ref,  # [T, D] (output)
-    *, num_compute_blocks: int, block_sizes: BlockSizes, compute_dtype,
-    precision):
+    dx_ref,  # [T, D], or [K, D] with kept_rows_only (output)
+    *, num_compute_blocks: int, kept_rows_only: bool, block_sizes: BlockSizes,
+    compute_dtype, precision):
   num_rows, n = dy_ref.shape
   d = kernel_ref.shape[0]
   num_slots = active_rows_ref.shape[0]
@@ -179,16 +181,17 @@ def _gathered_dx_kernel(
   d_idx = d_block * block_d + jnp.arange(block_d)
   d_in = d_idx < d
 
-  # Programs [0, num_compute_blocks) compute the selected rows; the rest write
-  # zeros to the unselected rows, so dx is produced by one launch with no
-  # zero-filled buffer written first.
+  # Programs [0, num_compute_blocks) compute the selected rows; with all T rows
+  # out, the rest write zeros to the unselected rows, so dx is produced by one
+  # launch with no zero-filled buffer written first.
   first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
                                           num_slots - 1)]
+  is_compute_block = row_block < num_compute_blocks
+  slots = row_block * block_rows + jnp.arange(block_rows)
 
   # Rows are sorted with sentinels last, so a block is all padding iff its
   # first row is the sentinel: skip the whole N loop.
-  @pl.when(jnp.logical_and(row_block < num_compute_blocks,
-                           first_row < num_rows))
+  @pl.when(is_compute_block & (first_row < num_rows))
   def _compute():
     rows = _load_rows(active_rows_ref, row_block * block_rows, block_rows,
                       sentinel=num_rows)
@@ -209,11 +212,25 @@ def _gathered_dx_kernel(
 
     acc = lax.fori_loop(0, pl.cdiv(n, block_n), body,
                         jnp.zeros((block_rows, block_d), jnp.float32))
-    plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
-                acc.astype(dx_ref.dtype),
-                mask=row_in[:, None] & d_in[None, :])
+    if kept_rows_only:
+      # Sentinel slots were loaded as zero rows: their slots get zeros.
+      plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
+                  acc.astype(dx_ref.dtype),
+                  mask=(slots < num_slots)[:, None] & d_in[None, :])
+    else:
+      plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
+                  acc.astype(dx_ref.dtype),
+                  mask=row_in[:, None] & d_in[None, :])
 
-  @pl.when(row_block >= num_compute_blocks)
+  if kept_rows_only:
+    @pl.when(first_row >= num_rows)
+    def _zero_padding_slots():
+      plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
+                  jnp.zeros((block_rows, block_d), dx_ref.dtype),
+                  mask=(slots < num_slots)[:, None] & d_in[None, :])
+    return
+
+  @pl.when(jnp.logical_not(is_compute_block))
   def _zero_fill():
     rows = (row_block - num_compute_blocks) * block_rows + jnp.arange(
         block_rows)
@@ -230,13 +247,17 @@ def _gathered_dw_db_kernel(
     active_rows_ref,  # int32[K], K >= 1
     x_ref,  # [T, D]
     dy_ref,  # [T, N]
-    dw_ref,  # [split_rows, D, N] (output)
-    *db_refs,  # ([split_rows, N] output,) with bias, () without
-    d_fastest: bool, steps_per_split: int, block_sizes: BlockSizes,
-    compute_dtype, precision):
+    *refs,  # (poison float32[1],) if with_poison; dW [split_rows, D, N] and,
+            # if with_bias, db [split_rows, N] (outputs)
+    with_poison: bool, d_fastest: bool, steps_per_split: int,
+    block_sizes: BlockSizes, compute_dtype, precision):
   num_rows, d = x_ref.shape
   n = dy_ref.shape[1]
-  db_ref = db_refs[0] if db_refs else None
+  poison_ref, refs = (refs[0], refs[1:]) if with_poison else (None, refs)
+  dw_ref, db_ref = refs[0], (refs[1] if len(refs) > 1 else None)
+  # 0 or NaN, the start of every sum: a NaN reaches all of dW and db, even where
+  # no row is selected, at no cost per tile.
+  start = poison_ref[0] if with_poison else jnp.float32(0)
   block_rows, block_d, block_n = (
       block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
   d_block, n_block = pl.program_id(0), pl.program_id(1)
@@ -273,8 +294,8 @@ def _gathered_dw_db_kernel(
       db_acc += jnp.sum(dy_tile.astype(jnp.float32), axis=0)
     return dw_acc, db_acc
 
-  init = (jnp.zeros((block_d, block_n), jnp.float32),
-          jnp.zeros((block_n,), jnp.float32))
+  init = (jnp.full((block_d, block_n), start, jnp.float32),
+          jnp.full((block_n,), start, jnp.float32))
 
   def reduce(with_db: bool):
     return lax.fori_loop(first_step, last_step,
@@ -317,15 +338,15 @@ def _compiler_params(block_sizes: BlockSizes):
                               num_stages=block_sizes.num_stages)
 
 
-def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
-                      interpret: bool, precision):
+def _gathered_dx_call(dy, kernel, active_rows, *, kept_rows_only: bool,
+                      block_sizes: BlockSizes, interpret: bool, precision):
   num_rows = dy.shape[0]
   d = kernel.shape[0]
   active_rows = _at_least_one_slot(active_rows, num_rows)
   num_slots = active_rows.shape[0]
   num_compute_blocks = pl.cdiv(num_slots, block_sizes.block_rows)
-  num_row_blocks = num_compute_blocks + pl.cdiv(num_rows,
-                                                block_sizes.block_rows)
+  num_row_blocks = num_compute_blocks + (
+      0 if kept_rows_only else pl.cdiv(num_rows, block_sizes.block_rows))
   # D blocks vary fastest: programs running together share one gathered block
   # of dy rows through L2 (measured faster than sweeping the rows fastest
   # even where the kernel is the larger operand).
@@ -333,20 +354,24 @@ def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
   compute_dtype = jnp.promote_types(dy.dtype, kernel.dtype)
   body = functools.partial(
       _gathered_dx_kernel, num_compute_blocks=num_compute_blocks,
-      block_sizes=block_sizes, compute_dtype=compute_dtype,
+      kept_rows_only=kept_rows_only, block_sizes=block_sizes,
+      compute_dtype=compute_dtype,
       precision=_dot_precision(precision, dy.dtype, kernel.dtype))
   return pl.pallas_call(
       body,
       grid=grid,
-      out_shape=jax.ShapeDtypeStruct((num_rows, d), dy.dtype),
+      out_shape=jax.ShapeDtypeStruct(
+          (num_slots if kept_rows_only else num_rows, d), dy.dtype),
       compiler_params=_compiler_params(block_sizes),
       interpret=interpret,
       name="sebp_gathered_dx",
   )(active_rows, dy, kernel)
 
 
-def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
-                         block_sizes: BlockSizes, interpret: bool, precision):
+def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
+                         dw_dtype, db_dtype, block_sizes: BlockSizes,
+                         interpret: bool,
+                         precision):
   num_rows, d = x.shape
   n = dy.shape[1]
   active_rows = _at_least_one_slot(active_rows, num_rows)
@@ -355,12 +380,13 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
   steps_per_split = pl.cdiv(num_steps, split_rows)
   # With one split the kernel writes the final dtype directly; partial sums
   # stay float32 until they are added.
-  dw_out, db_out = (x.dtype, dy.dtype) if out_dtype is None else (out_dtype, out_dtype)
-  dw_dtype = dw_out if split_rows == 1 else jnp.float32
-  db_dtype = db_out if split_rows == 1 else jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((split_rows, d, n), dw_dtype)]
+  dw_out = x.dtype if dw_dtype is None else dw_dtype
+  db_out = dy.dtype if db_dtype is None else db_dtype
+  out_shape = [jax.ShapeDtypeStruct(
+      (split_rows, d, n), dw_out if split_rows == 1 else jnp.float32)]
   if with_bias:
-    out_shape.append(jax.ShapeDtypeStruct((split_rows, n), db_dtype))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (split_rows, n), db_out if split_rows == 1 else jnp.float32))
   num_d_blocks = pl.cdiv(d, block_sizes.block_d)
   num_n_blocks = pl.cdiv(n, block_sizes.block_n)
   # Sweep fastest the axis whose gathered operand is smaller (x's [K, D] rows
@@ -370,7 +396,8 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
           else (num_n_blocks, num_d_blocks, split_rows))
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   body = functools.partial(
-      _gathered_dw_db_kernel, d_fastest=d_fastest,
+      _gathered_dw_db_kernel, with_poison=poison is not None,
+      d_fastest=d_fastest,
       steps_per_split=steps_per_split, block_sizes=block_sizes,
       compute_dtype=compute_dtype,
       precision=_dot_precision(precision, x.dtype, dy.dtype))
@@ -381,7 +408,8 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
       compiler_params=_compiler_params(block_sizes),
       interpret=interpret,
       name="sebp_gathered_dw_db",
-  )(active_rows, x, dy)
+  )(active_rows, x, dy,
+    *(() if poison is None else (jnp.reshape(poison, (1,)).astype(jnp.float32),)))
   if split_rows == 1:
     return outs[0][0], outs[1][0] if with_bias else None
   dw = outs[0].sum(axis=0).astype(dw_out)
@@ -394,9 +422,11 @@ def _gathered_dw_db_call(x, dy, active_rows, *, with_bias: bool, out_dtype,
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("block_sizes", "interpret", "precision"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("kept_rows_only", "block_sizes", "interpret", "precision"))
 def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
+                kept_rows_only: bool = False,
                 block_sizes: BlockSizes | None = None, interpret: bool = False,
                 precision=None) -> jax.Array:
   """dx for the selected rows of dy, zero elsewhere.
@@ -406,33 +436,45 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
     kernel: ``[D, N]`` layer weight.
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
       end with the sentinel ``T``; sentinel slots are ignored.
+    kept_rows_only: return the ``K`` computed rows in slot order instead of
+      all ``T`` rows; the caller places them (a gather through the inverse
+      index fuses into dx's consumer, where the zero rows written here would
+      be a pass of their own).
     block_sizes: tiles and launch parameters; default from the measured table.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
 
   Returns:
-    ``[T, D]`` in ``dy.dtype``: ``dy[r] @ kernel.T`` (float32 accumulation) for
-    every selected row ``r``, exactly 0 in every other row.
+    In ``dy.dtype``, with ``dy[r] @ kernel.T`` (float32 accumulation) for every
+    selected row ``r``: ``[T, D]`` with row ``r`` there and exactly 0 in every
+    other row, or with ``kept_rows_only`` ``[K, D]`` with it in slot ``k``
+    (``active_rows[k] == r``) and exactly 0 in sentinel slots.
   """
   num_rows, n = dy.shape
   d, kernel_n = kernel.shape
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
+  if kept_rows_only and active_rows.shape[0] == 0:
+    return jnp.zeros((0, d), dy.dtype)
   block_sizes = block_sizes or default_block_sizes(
       "dx", d, n, jnp.promote_types(dy.dtype, kernel.dtype))
   block_sizes = dataclasses.replace(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
-  return _gathered_dx_call(dy, kernel, active_rows, block_sizes=block_sizes,
-                           interpret=interpret, precision=precision)
+  return _gathered_dx_call(dy, kernel, active_rows,
+                           kept_rows_only=kept_rows_only,
+                           block_sizes=block_sizes, interpret=interpret,
+                           precision=precision)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("with_bias", "out_dtype", "block_sizes", "interpret", "precision"))
+    static_argnames=("with_bias", "dw_dtype", "db_dtype", "block_sizes", "interpret",
+                     "precision"))
 def gathered_dw_db(
     x: jax.Array, dy: jax.Array, active_rows: jax.Array, *, with_bias: bool,
-    out_dtype=None, block_sizes: BlockSizes | None = None, interpret: bool = False,
+    poison: jax.Array | None = None, dw_dtype=None, db_dtype=None,
+    block_sizes: BlockSizes | None = None, interpret: bool = False,
     precision=None) -> tuple[jax.Array, jax.Array | None]:
   """Weight and bias gradients accumulated over the selected rows.
 
@@ -442,8 +484,13 @@ def gathered_dw_db(
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
       end with the sentinel ``T``; sentinel slots contribute nothing.
     with_bias: also return db.
-    out_dtype: dtype of dW and db; None: ``x.dtype`` and ``dy.dtype``. float32 spares a
-      caller who wants the float32 sums a rounding and a second pass.
+    poison: optional float32 scalar, 0 or NaN, that every sum starts from, so
+      that a NaN makes all of dW and db NaN at no extra pass (the result of a
+      NaN/Inf check of the rows the kernel does not read).
+    dw_dtype, db_dtype: dtypes of dW and db (None: ``x.dtype``, ``dy.dtype``),
+      stored straight from the float32 sums: a caller that wants the sums in
+      float32, or in a parameter dtype other than the operands', gets them
+      rounded once and without a second pass.
     block_sizes: tiles and launch parameters; default from the measured table.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
@@ -451,7 +498,7 @@ def gathered_dw_db(
   Returns:
     ``(dW, db)``: ``dW = sum_r x[r].T @ dy[r]`` as ``[D, N]`` and
     ``db = sum_r dy[r]`` as ``[N]`` (``None`` without bias), both accumulated in
-    float32, in ``out_dtype``.
+    float32, in ``dw_dtype`` and ``db_dtype``.
   """
   num_rows, d = x.shape
   dy_rows, n = dy.shape
@@ -462,8 +509,9 @@ def gathered_dw_db(
   block_sizes = dataclasses.replace(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
-  return _gathered_dw_db_call(x, dy, active_rows, with_bias=with_bias,
-                              out_dtype=out_dtype, block_sizes=block_sizes, interpret=interpret,
+  return _gathered_dw_db_call(x, dy, active_rows, poison, with_bias=with_bias,
+                              dw_dtype=dw_dtype, db_dtype=db_dtype,
+                              block_sizes=block_sizes, interpret=interpret,
                               precision=precision)
 
 
@@ -472,22 +520,25 @@ def gathered_dw_db(
 # ---------------------------------------------------------------------------
 
 
-def gathered_dx_reference(dy, kernel, active_rows):
-  """Reference for ``gathered_dx``: ``[T, D]`` in ``dy.dtype``."""
+def gathered_dx_reference(dy, kernel, active_rows, *, kept_rows_only=False):
+  """Reference for ``gathered_dx``: ``[T, D]`` (or ``[K, D]``) in ``dy.dtype``."""
   num_rows = dy.shape[0]
   rows = dy.at[active_rows].get(mode="fill", fill_value=0)
   dx_rows = jnp.dot(rows, kernel.T, precision=lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32)
+  if kept_rows_only:
+    return dx_rows.astype(dy.dtype)
   dx = jnp.zeros((num_rows, kernel.shape[0]), jnp.float32)
   return dx.at[active_rows].set(dx_rows, mode="drop").astype(dy.dtype)
 
 
-def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool):
+def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool,
+                             poison=None):
   """Reference for ``gathered_dw_db``: ``(dW [D, N], db [N] or None)``."""
+  start = jnp.float32(0) if poison is None else poison
   x_rows = x.at[active_rows].get(mode="fill", fill_value=0)
   dy_rows = dy.at[active_rows].get(mode="fill", fill_value=0)
-  dw = jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST,
-               preferred_element_type=jnp.float32).astype(x.dtype)
-  db = (dy_rows.astype(jnp.float32).sum(axis=0).astype(dy.dtype)
-        if with_bias else None)
-  return dw, db
+  dw = start + jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+  db = start + dy_rows.astype(jnp.float32).sum(axis=0) if with_bias else None
+  return dw.astype(x.dtype), None if db is None else db.astype(dy.dtype)

@@ -8,9 +8,12 @@ Every backend has one signature, ``sparse_backward(x, kernel, dy, active_rows, .
 * ``dkernel: [D, N]``: ``x[rows].T @ dy[rows]``;
 * ``dbias: [N]`` or None: ``sum(dy[rows])``;
 
-dkernel and dbias in the accumulation dtype (:func:`accumulation_dtype`: float32, or float64 for
-float64 operands), left for the caller to cast once to the parameters' own dtypes: a float32
-kernel computed in bf16 then gets its gradient without a round trip through bf16.
+all summed in the accumulation dtype (:func:`accumulation_dtype`: float32, or float64 for
+float64 operands) and rounded once. dx and dkernel are stored by their matmuls in their final
+dtypes, dkernel in ``dkernel_dtype`` (the kernel parameter's own dtype: a float32 kernel
+computed in bf16 gets its gradient without a round trip through bf16); a separate cast of the
+float32 result would be a pass of its own. dbias comes in the accumulation dtype, for the
+caller's cast to fuse into its reduction.
 
 ``poison``, an optional float32 scalar that is 0 or NaN, must reach dkernel and dbias (see
 :func:`sebp_jax.ops.nan_if_not_finite`).
@@ -63,27 +66,24 @@ def accumulation_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def dense_backward(x, kernel, dy, *, with_bias, precision):
-  """The dense backward, every row kept, in the contract of :func:`sparse_backward`."""
+def dense_backward(x, kernel, dy, *, with_bias, precision, dkernel_dtype=None):
+  """The dense backward, every row kept, in the contract of :func:`sparse_backward`.
+
+  Each matmul stores its own output dtype from its float32 (float64) sums: on an H100 a
+  bf16 ``[2048, 8192]`` dW from 577 rows took 0.106 ms as float32 then cast, 0.072 ms stored
+  as bf16 by the matmul (``python -m benchmarks.ablations store``, ``benchmarks/RESULTS.md``).
+  """
   accumulate = accumulation_dtype(dy.dtype)
   dx = lax.dot_general(dy, kernel, (((1,), (1,)), ((), ())), precision=precision,
-                       preferred_element_type=accumulate).astype(x.dtype)
+                       preferred_element_type=x.dtype)
   dkernel = lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
-                            preferred_element_type=accumulate)
+                            preferred_element_type=dkernel_dtype or accumulate)
   dbias = jnp.sum(dy, axis=0, dtype=accumulate) if with_bias else None
   return dx, dkernel, dbias
 
 
-def poison_sums(dkernel, dbias, poison):
-  """``(dkernel, dbias)`` plus ``poison`` (0 or NaN), for a backend that cannot poison dY's
-  kept rows before its sums."""
-  if poison is None:
-    return dkernel, dbias
-  return (dkernel + poison.astype(dkernel.dtype),
-          None if dbias is None else dbias + poison.astype(dbias.dtype))
-
-
-def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
+def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None,
+                        dkernel_dtype=None):
   """The jnp reference of :func:`sparse_backward`: the dense backward of the kept rows, dX
   spread back to all T rows (see the module docstring for shapes)."""
   dy_kept = _gather_rows(dy, active_rows)  # [K, N]
@@ -94,27 +94,36 @@ def xla_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poi
     # (Llama-1B shapes) and 2.08x vs 2.17x (BERT-base) (python -m benchmarks.ablations poison).
     dy_kept = dy_kept + poison.astype(dy_kept.dtype)
   dx_kept, dkernel, dbias = dense_backward(_gather_rows(x, active_rows), kernel, dy_kept,
-                                           with_bias=with_bias, precision=precision)
+                                           with_bias=with_bias, precision=precision,
+                                           dkernel_dtype=dkernel_dtype)
   return _spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
 
 
-def pallas_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None):
-  """:func:`sparse_backward` through the Pallas kernels (Triton on GPU, interpreted elsewhere)."""
+def pallas_sparse_backward(x, kernel, dy, active_rows, *, with_bias, precision, poison=None,
+                           dkernel_dtype=None):
+  """:func:`sparse_backward` through the Pallas kernels (Triton on GPU, interpreted elsewhere).
+
+  The kernels gather the kept rows themselves. dX comes back as its ``K`` kept rows, spread by
+  the same fusible gather as the XLA backend's: the kernel writing all ``T`` rows, zeros
+  included, cost Llama-1B 3.0 ms of a 46 ms backward even with 16 rows kept (H200). The poison
+  is the start of the dW kernel's sums: no pass of its own, as in the XLA backend, where it
+  fuses into the gather of dY.
+  """
   import pallas_kernels  # Imported lazily: the XLA path must not pay for Pallas' import.
 
   interpret = jax.default_backend() != "gpu"
-  dx = pallas_kernels.gathered_dx(dy, kernel, active_rows, precision=precision,
-                                  interpret=interpret).astype(x.dtype)
+  dx_kept = pallas_kernels.gathered_dx(dy, kernel, active_rows, kept_rows_only=True,
+                                       precision=precision, interpret=interpret)
+  accumulate = accumulation_dtype(dy.dtype)
   dkernel, dbias = pallas_kernels.gathered_dw_db(
-      x, dy, active_rows, with_bias=with_bias, precision=precision, interpret=interpret,
-      out_dtype=accumulation_dtype(dy.dtype))
-  # The kernels gather dY themselves: poison their sums instead.
-  return (dx, *poison_sums(dkernel, dbias, poison))
+      x, dy, active_rows, with_bias=with_bias, poison=poison, precision=precision,
+      interpret=interpret, dw_dtype=dkernel_dtype or accumulate, db_dtype=accumulate)
+  return _spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0]), dkernel, dbias
 
 
 def sparse_backward(x: Array, kernel: Array, dy: Array, active_rows: Array, *,
                     with_bias: bool, precision=None, backend: Backend = "xla",
-                    poison: Array | None = None):
+                    poison: Array | None = None, dkernel_dtype=None):
   """dX, dW, db of ``y = x @ kernel + b`` from the rows ``active_rows`` of ``dy`` alone.
 
   Args:
@@ -127,17 +136,18 @@ def sparse_backward(x: Array, kernel: Array, dy: Array, active_rows: Array, *,
     backend: ``"xla"`` or ``"pallas"``.
     poison: optional float32 scalar, 0 or NaN; NaN makes dkernel and dbias NaN (and may make
       the kept rows of dx NaN).
+    dkernel_dtype: dtype of dkernel (the kernel parameter's); default the accumulation dtype.
 
   Returns:
-    ``(dx [T, D], dkernel [D, N], dbias [N] or None)``: dx in the dtype of x, dkernel and dbias
-    in :func:`accumulation_dtype` of dy's dtype.
+    ``(dx [T, D], dkernel [D, N], dbias [N] or None)``: dx in the dtype of x, dkernel in
+    ``dkernel_dtype``, dbias in :func:`accumulation_dtype` of dy's dtype.
   """
+  options = dict(with_bias=with_bias, precision=precision, poison=poison,
+                 dkernel_dtype=dkernel_dtype)
   if backend == "xla":
-    return xla_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
-                               precision=precision, poison=poison)
+    return xla_sparse_backward(x, kernel, dy, active_rows, **options)
   if backend == "pallas":
-    return pallas_sparse_backward(x, kernel, dy, active_rows, with_bias=with_bias,
-                                  precision=precision, poison=poison)
+    return pallas_sparse_backward(x, kernel, dy, active_rows, **options)
   raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -200,12 +210,12 @@ def choose_backend(backend: str, *, num_rows: int, in_features: int, out_feature
     dense backward elsewhere (it keeps every row, so its gradient is the exact one; SEBP
     cannot win on small layers at high kept fractions);
   * the SEBP it picks is ``"xla"`` on every platform. Since XLA builds dX by a gather that
-    fuses into its consumer, the Pallas kernels no longer lead it (H200, T=16384, 20% kept,
-    selection included: Pallas 0.91-0.95x of XLA on the five shapes of 2048x2048 and up,
-    0.85-0.87x on 768x3072 / 3072x768, 1.04-1.12x only on 2048x512 and 768x768, whose SEBP
-    backward is slower than dense either way); inside models XLA led on small layers (BERT
-    1.41x vs 1.09x), and inside Llama-1B the Pallas dX kernel's zero fill cost 3.0 ms of a
-    46 ms backward even with 16 rows kept. ``"pallas"`` runs the kernels when asked for.
+    fuses into its consumer, the Pallas kernels no longer lead it (H100, T=16384, 20% kept,
+    selection included: Pallas 0.77-0.85x of XLA on the five shapes of 2048x2048 and up,
+    1.02x only on 768x768, whose SEBP backward is slower than dense either way); inside the
+    models, with the same dX spread for both, XLA led too (backward vs dense, shared index:
+    BERT-base 2.20x vs 1.79x on an H100, Llama-1B shapes 1.38x vs 1.34x on an H200).
+    ``"pallas"`` runs the kernels when asked for.
   """
   if backend not in BACKEND_CHOICES:
     raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {backend!r}")

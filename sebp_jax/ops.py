@@ -163,15 +163,15 @@ def _sebp_linear_bwd(config: SEBPConfig, residuals, dy):
                            itemsize=dy.dtype.itemsize, index_given=index_given)
   x2d = x.reshape(num_rows, x.shape[-1])
   dy2d = dy.reshape(num_rows, dy.shape[-1])
+  options = dict(with_bias=config.with_bias, precision=config.precision,
+                 dkernel_dtype=config.grad_dtypes[1])
   if backend == "dense":
-    grads = dense_backward(x2d, kernel, dy2d, with_bias=config.with_bias,
-                           precision=config.precision)
+    grads = dense_backward(x2d, kernel, dy2d, **options)
   else:
     if not index_given:
       active_rows = select_active_rows(dy2d, config.top_n, config.threshold)
-    grads = sparse_backward(
-        x2d, kernel, dy2d, active_rows, with_bias=config.with_bias, precision=config.precision,
-        backend=backend, poison=nan_if_not_finite(dy2d) if index_given else None)
+    grads = sparse_backward(x2d, kernel, dy2d, active_rows, backend=backend,
+                            poison=nan_if_not_finite(dy2d) if index_given else None, **options)
   dx, dkernel, dbias = _in_grad_dtypes(grads, config)
   return dx.reshape(x.shape), dkernel, dbias, None
 

@@ -11,7 +11,7 @@ import pytest
 
 from reference import random_sparse_rows, reference_backward, relative_error
 from sebp_jax import select_active_rows, sparse_backward
-from sebp_jax.backends import choose_backend
+from sebp_jax.backends import choose_backend, dense_backward
 
 BACKENDS = ["xla", "pallas"]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -65,6 +65,34 @@ def test_without_bias(backend):
   expected_dx, expected_dkernel, _ = reference_backward(x, kernel, dy, rows)
   assert relative_error(dx, expected_dx) <= 1e-5
   assert relative_error(dkernel, expected_dkernel) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "dense"])
+def test_dkernel_dtype_is_rounded_once_from_the_float32_sums(backend):
+  """bf16 parameters get dkernel stored as bf16 by its matmul: each element within half a
+  bf16 ulp of the float32 sums (a bf16 accumulation would be far off)."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((96, 32)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((32, 40)), jnp.bfloat16)
+  dy = jnp.asarray(random_sparse_rows(rng, 96, 40, 60), jnp.bfloat16)
+  active_rows = select_active_rows(dy, 64)
+
+  def run(dkernel_dtype):
+    options = dict(with_bias=True, precision=None, dkernel_dtype=dkernel_dtype)
+    if backend == "dense":
+      return jax.jit(lambda: dense_backward(x, kernel, dy, **options))()
+    return jax.jit(lambda: sparse_backward(x, kernel, dy, active_rows, backend=backend,
+                                           **options))()
+
+  dx, dkernel, dbias = run(jnp.bfloat16)
+  _, sums, _ = run(None)
+  assert (dx.dtype, dkernel.dtype, dbias.dtype, sums.dtype) == (
+      jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32)
+  sums = np.asarray(sums, np.float64)
+  assert np.all(np.abs(np.asarray(dkernel, np.float64) - sums) <= 2.0**-8 * np.abs(sums))
+  rows = np.flatnonzero(np.asarray(dy, np.float32).any(axis=1))
+  expected = reference_backward(x, kernel, dy, rows)
+  assert relative_error(sums, expected[1]) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -51,8 +51,8 @@ def test_layer_benchmark_records(tmp_path):
               "--input-sets", "1", "--compile-threads", "1", "--out", str(out)])
   records = [json.loads(line) for line in out.read_text().splitlines()]
   variants = {(r["backend"], r["index"]) for r in records}
-  assert variants == {("dense", None), *((b, i) for b in ("xla", "pallas", "auto")
-                                          for i in ("selected", "given"))}
+  assert variants == {("dense", None), ("kept_matmuls", "pregathered"),
+                      *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
 
 
@@ -74,6 +74,12 @@ def test_ablation_studies_run_and_agree(tmp_path):
     assert [r["variant"] for r in got] == ["dense", *variants]
     assert all(len(r["backward_ms_rounds"]) == 2 for r in got)
     records += len(got)
+  # Both stores agreed inside the study (it asserts that); one record per output and variant.
+  store = ablations.main(["store", "--tiny", "--repeats", "1", "--out", str(out)])
+  assert sorted((r["output"], r["variant"]) for r in store) == [
+      (output, variant) for output in ("dW", "dX")
+      for variant in ("float32, then cast", "stored by the matmul")]
+  records += len(store)
   assert len(out.read_text().splitlines()) == records
 
 

@@ -4,6 +4,7 @@ On CPU the kernels run in the Pallas interpreter. With a GPU present (or
 INTERPRET=0) the same tests run compiled: see benchmarks/gpu_check.sh.
 """
 
+import functools
 import os
 
 import jax
@@ -13,7 +14,9 @@ import pytest
 
 from pallas_kernels import BlockSizes
 from pallas_kernels import gathered_dw_db
+from pallas_kernels import gathered_dw_db_reference
 from pallas_kernels import gathered_dx
+from pallas_kernels import gathered_dx_reference
 
 INTERPRET = os.environ.get(
     "INTERPRET", "1" if jax.default_backend() == "cpu" else "0") != "0"
@@ -98,6 +101,76 @@ def test_gathered_dx(num_rows, d, n, num_slots, num_selected, dtype, blocks):
     assert _relative_error(dx[rows], expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("num_rows,d,n,num_slots,num_selected", CASES)
+@pytest.mark.parametrize("blocks", [SMALL_BLOCKS, None], ids=["small", "default"])
+def test_gathered_dx_kept_rows_only(num_rows, d, n, num_slots, num_selected, blocks):
+  rng = np.random.default_rng([num_rows, d, n, num_selected, 2])
+  dy = _random(rng, (num_rows, n), jnp.bfloat16)
+  kernel = _random(rng, (d, n), jnp.bfloat16)
+  active_rows, rows = _active_rows(rng, num_rows, num_slots, num_selected)
+
+  dx_kept = gathered_dx(dy, kernel, active_rows, kept_rows_only=True,
+                        block_sizes=blocks, interpret=INTERPRET)
+
+  assert dx_kept.shape == (num_slots, d) and dx_kept.dtype == jnp.bfloat16
+  dx_kept = _f64(dx_kept)
+  assert np.all(np.isfinite(dx_kept))
+  # Slot k holds row active_rows[k]; the sentinel slots (the last ones) are zero.
+  assert np.all(dx_kept[num_selected:] == 0.0)
+  if num_selected:
+    expected = _f64(dy)[rows] @ _f64(kernel).T
+    assert _relative_error(dx_kept[:num_selected], expected) < TOLERANCE[jnp.bfloat16]
+
+
+def test_gathered_dx_kept_rows_only_of_an_empty_index():
+  rng = np.random.default_rng(4)
+  dx_kept = gathered_dx(_random(rng, (8, 16), jnp.float32), _random(rng, (24, 16), jnp.float32),
+                        jnp.zeros((0,), jnp.int32), kept_rows_only=True, interpret=INTERPRET)
+  assert dx_kept.shape == (0, 24)
+
+
+@pytest.mark.parametrize("blocks", [SMALL_BLOCKS, SPLIT_BLOCKS], ids=["one-split", "split"])
+@pytest.mark.parametrize("num_selected", [33, 0], ids=["rows", "empty"])
+def test_gathered_dw_db_poison(blocks, num_selected):
+  """A zero poison changes nothing; a NaN one reaches every element of dW and db, even
+  with no row selected (split partial sums included)."""
+  rng = np.random.default_rng(13)
+  x = _random(rng, (100, 40), jnp.bfloat16)
+  dy = _random(rng, (100, 72), jnp.bfloat16)
+  active_rows, _ = _active_rows(rng, 100, 48, num_selected)
+  run = functools.partial(gathered_dw_db, x, dy, active_rows, with_bias=True,
+                          dw_dtype=jnp.float32, db_dtype=jnp.float32, block_sizes=blocks,
+                          interpret=INTERPRET)
+
+  clean, zero = run(), run(poison=jnp.float32(0))
+  for got, want in zip(zero, clean):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  dw, db = run(poison=jnp.float32(jnp.nan))
+  assert np.all(np.isnan(np.asarray(dw))) and np.all(np.isnan(np.asarray(db)))
+
+
+def test_references_match_the_kernels():
+  """The jnp references exported next to the kernels agree with them, options included."""
+  rng = np.random.default_rng(17)
+  x = _random(rng, (100, 40), jnp.float32)
+  dy = _random(rng, (100, 72), jnp.float32)
+  kernel = _random(rng, (40, 72), jnp.float32)
+  active_rows, _ = _active_rows(rng, 100, 48, 33)
+  for kept_rows_only in (False, True):
+    np.testing.assert_allclose(
+        gathered_dx(dy, kernel, active_rows, kept_rows_only=kept_rows_only,
+                    block_sizes=SMALL_BLOCKS, interpret=INTERPRET),
+        gathered_dx_reference(dy, kernel, active_rows, kept_rows_only=kept_rows_only),
+        rtol=1e-5, atol=1e-5)
+  for poison in (None, jnp.float32(jnp.nan)):
+    kernel_sums = gathered_dw_db(x, dy, active_rows, with_bias=True, poison=poison,
+                                 block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+    reference_sums = gathered_dw_db_reference(x, dy, active_rows, with_bias=True,
+                                              poison=poison)
+    for got, want in zip(kernel_sums, reference_sums):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("blocks", [SMALL_BLOCKS, SPLIT_BLOCKS], ids=["one-split", "split"])
 def test_gathered_dw_db_float32_out(blocks):
   # How sebp_jax.backends calls the kernel: bf16 operands, float32 sums stored as they are.
@@ -105,8 +178,8 @@ def test_gathered_dw_db_float32_out(blocks):
   x = _random(rng, (100, 40), jnp.bfloat16)
   dy = _random(rng, (100, 72), jnp.bfloat16)
   active_rows, rows = _active_rows(rng, 100, 48, 33)
-  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, out_dtype=jnp.float32,
-                          block_sizes=blocks, interpret=INTERPRET)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, dw_dtype=jnp.float32,
+                          db_dtype=jnp.float32, block_sizes=blocks, interpret=INTERPRET)
   assert dw.dtype == db.dtype == jnp.float32
   # Products of bf16 values are exact in float32: only float32 summation error remains.
   assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < 1e-6
