@@ -91,7 +91,8 @@ def _poison_after_matmuls(x, kernel, dy, active_rows, *, poison=None, **options)
   dx, dkernel, dbias = _xla_sparse_backward(x, kernel, dy, active_rows, **options)
   if poison is None:
     return dx, dkernel, dbias
-  return dx, dkernel + poison, None if dbias is None else dbias + poison
+  return (dx, dkernel + poison.astype(dkernel.dtype),
+          None if dbias is None else dbias + poison.astype(dbias.dtype))
 
 
 def _promote_before_the_op(module, *arrays, inexact=True):

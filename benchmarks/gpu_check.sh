@@ -48,7 +48,7 @@ for step in $steps; do
       timeout 600 python3 -m benchmarks.model --out "$out/model.jsonl" ${MODEL_ARGS:-} \
         2>"$out/model.err" | tee "$out/model.txt" || status=1 ;;
     ablations)
-      for study in ${ABLATIONS:-dx check embed-accumulation poison cast}; do
+      for study in ${ABLATIONS:-dx check embed-accumulation poison cast store}; do
         timeout 600 python3 -m benchmarks.ablations "$study" --out "$out/ablations.jsonl" \
           2>>"$out/ablations.err" | tee -a "$out/ablations.txt" || status=1
       done ;;

@@ -61,8 +61,9 @@ def _kernels(case: Case):
   rows = jax.ShapeDtypeStruct((case.num_kept,), jnp.int32)
   interpret = jax.default_backend() == "cpu"  # CPU: a smoke test only.
   for blocks in DX_CANDIDATES:
+    # Kept rows only, as sebp_jax.backends calls the kernel.
     fn = lambda dy_, k_, r_, b=blocks: gathered_dx(
-        dy_, k_, r_, block_sizes=b, interpret=interpret)
+        dy_, k_, r_, kept_rows_only=True, block_sizes=b, interpret=interpret)
     yield "dx", blocks, fn, (dy, kernel, rows)
   for blocks in DW_CANDIDATES:
     # float32 stores, as sebp_jax.backends calls the kernel for float32 parameters.

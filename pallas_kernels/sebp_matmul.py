@@ -213,9 +213,9 @@ def _gathered_dx_kernel(
     acc = lax.fori_loop(0, pl.cdiv(n, block_n), body,
                         jnp.zeros((block_rows, block_d), jnp.float32))
     if kept_rows_only:
-      # Sentinel slots were loaded as zero rows: their slots get zeros.
+      # Sentinel slots get exact zeros (their zero rows times an Inf would be NaN).
       plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
-                  acc.astype(dx_ref.dtype),
+                  jnp.where(row_in[:, None], acc, 0.0).astype(dx_ref.dtype),
                   mask=(slots < num_slots)[:, None] & d_in[None, :])
     else:
       plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],

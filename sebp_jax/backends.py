@@ -9,8 +9,9 @@ Every backend has one signature, ``sparse_backward(x, kernel, dy, active_rows, .
 * ``dbias: [N]`` or None: ``sum(dy[rows])``;
 
 all summed in the accumulation dtype (:func:`accumulation_dtype`: float32, or float64 for
-float64 operands) and rounded once. dx and dkernel are stored by their matmuls in their final
-dtypes, dkernel in ``dkernel_dtype`` (the kernel parameter's own dtype: a float32 kernel
+float64 operands; the Pallas kernels sum in float32) and rounded once. dx and dkernel are stored
+by their matmuls in their final dtypes (the Pallas dx kernel stores dy's dtype, which is x's
+wherever :func:`sebp_jax.ops.sebp_linear` calls it), dkernel in ``dkernel_dtype`` (the kernel parameter's own dtype: a float32 kernel
 computed in bf16 gets its gradient without a round trip through bf16); a separate cast of the
 float32 result would be a pass of its own. dbias comes in the accumulation dtype, for the
 caller's cast to fuse into its reduction.
@@ -144,6 +145,10 @@ def sparse_backward(x: Array, kernel: Array, dy: Array, active_rows: Array, *,
   """
   options = dict(with_bias=with_bias, precision=precision, poison=poison,
                  dkernel_dtype=dkernel_dtype)
+  if active_rows.shape[0] == 0:
+    # An index of no slots gets one sentinel slot: a zero row that still carries the poison
+    # into the sums (and gives the gathers an axis to take from).
+    active_rows = jnp.full((1,), x.shape[0], jnp.int32)
   if backend == "xla":
     return xla_sparse_backward(x, kernel, dy, active_rows, **options)
   if backend == "pallas":

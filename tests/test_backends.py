@@ -116,6 +116,23 @@ def test_poison_reaches_dkernel_and_dbias(backend):
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_index_of_no_slots(backend):
+  """A static index of size 0: zero gradients, and a NaN poison still reaches dW and db."""
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((20, 16)), jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((16, 24)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((20, 24)), jnp.float32)
+  no_slots = jnp.zeros((0,), jnp.int32)
+  run = jax.jit(lambda poison: sparse_backward(x, kernel, dy, no_slots, with_bias=True,
+                                                backend=backend, poison=poison))
+  dx, dkernel, dbias = run(jnp.float32(0))
+  assert (dx.shape, dkernel.shape, dbias.shape) == ((20, 16), (16, 24), (24,))
+  assert not np.any(dx) and not np.any(dkernel) and not np.any(dbias)
+  _, dkernel, dbias = run(jnp.float32(jnp.nan))
+  assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+
+
 def test_unknown_backend_is_rejected():
   x = jnp.ones((4, 2))
   with pytest.raises(ValueError, match="backend"):

@@ -66,6 +66,26 @@ def test_float32_params_computed_in_low_precision_get_gradients_rounded_once(dty
   assert relative_error(dense_params["params"]["kernel"], want[1]) > 1e-5
 
 
+def test_low_precision_params_computed_in_float32_get_gradients_rounded_once():
+  # The reverse of the test above: the matmul stores dW in the bf16 parameter dtype straight
+  # from the float32 sums, each element within half a bf16 ulp of them.
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((48, 16)), jnp.float32)
+  dy = jnp.asarray(random_sparse_rows(rng, 48, 12, 20, np.float32))
+  module = SEBPDense(12, dtype=jnp.float32, param_dtype=jnp.bfloat16, top_n=24, backend="xla")
+  params = module.init(jax.random.key(0), x)
+  _, vjp = jax.vjp(lambda p, x: module.apply(p, x), params, x)
+  d_params, dx = vjp(dy)
+  d_kernel, d_bias = d_params["params"]["kernel"], d_params["params"]["bias"]
+  assert (dx.dtype, d_kernel.dtype, d_bias.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+  kernel = jnp.asarray(params["params"]["kernel"], jnp.float32)
+  rows = np.flatnonzero(np.asarray(dy).any(axis=1))
+  want = reference_backward(x, kernel, dy, rows)
+  assert np.all(np.abs(np.asarray(d_kernel, np.float64) - want[1])
+                <= 2.0**-8 * np.abs(want[1]) + 1e-6)
+  assert relative_error(dx, want[0]) <= 1e-5
+
+
 def test_a_custom_promote_dtype_is_applied_as_in_dense():
   def promote_to_float16(*args, dtype=None, inexact=True):
     del dtype, inexact

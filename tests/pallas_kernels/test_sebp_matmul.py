@@ -122,6 +122,19 @@ def test_gathered_dx_kept_rows_only(num_rows, d, n, num_slots, num_selected, blo
     assert _relative_error(dx_kept[:num_selected], expected) < TOLERANCE[jnp.bfloat16]
 
 
+def test_gathered_dx_kept_rows_only_zeros_sentinel_slots_beside_an_inf():
+  """Sentinel slots sharing a block with real rows are exactly 0 even where the kernel holds
+  an Inf (their zero rows times it would be NaN)."""
+  rng = np.random.default_rng(8)
+  dy = _random(rng, (40, 24), jnp.float32)
+  kernel = _random(rng, (32, 24), jnp.float32).at[3, 5].set(jnp.inf)
+  active_rows, _ = _active_rows(rng, 40, 16, 5)
+  dx_kept = np.asarray(gathered_dx(dy, kernel, active_rows, kept_rows_only=True,
+                                   block_sizes=SMALL_BLOCKS, interpret=INTERPRET))
+  assert np.all(dx_kept[5:] == 0.0)
+  assert not np.all(np.isfinite(dx_kept[:5, 3]))  # the Inf does reach the real rows
+
+
 def test_gathered_dx_kept_rows_only_of_an_empty_index():
   rng = np.random.default_rng(4)
   dx_kept = gathered_dx(_random(rng, (8, 16), jnp.float32), _random(rng, (24, 16), jnp.float32),
@@ -150,7 +163,8 @@ def test_gathered_dw_db_poison(blocks, num_selected):
 
 
 def test_references_match_the_kernels():
-  """The jnp references exported next to the kernels agree with them, options included."""
+  """The jnp references exported next to the kernels agree with them, kept_rows_only and
+  poison included."""
   rng = np.random.default_rng(17)
   x = _random(rng, (100, 40), jnp.float32)
   dy = _random(rng, (100, 72), jnp.float32)
