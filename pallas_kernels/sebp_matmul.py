@@ -112,6 +112,21 @@ def default_block_sizes(kernel: str, d: int, n: int,
   raise ValueError(f"unknown kernel {kernel!r}")
 
 
+def _iota(size: int) -> jax.Array:
+  """``0 .. size - 1`` as int32, also under ``jax_enable_x64``: the kernels' row and column
+  indices stay 32-bit (``test_offsets_beyond_int32`` covers element offsets past 2**31)."""
+  return jnp.arange(size, dtype=jnp.int32)
+
+
+def _check_operand_dtypes(**operands) -> None:
+  """The kernels sum in float32: float64 operands would silently lose precision."""
+  for name, operand in operands.items():
+    if operand.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      raise ValueError(
+          f"{name} must be float32, bfloat16 or float16 (the kernels accumulate in float32), "
+          f"got {operand.dtype}; sebp_jax's backend='xla' handles float64")
+
+
 def _fit(block: int, dim: int) -> int:
   """Shrinks a block to the smallest power of two >= 16 covering ``dim``."""
   return min(block, max(16, pl.next_power_of_2(dim)))
@@ -139,7 +154,7 @@ def _dot_f32(a, b, *, contract_a: int, contract_b: int, precision):
 
 def _load_rows(active_rows_ref, first, count: int, sentinel: int):
   """``active_rows[first : first + count]``, the sentinel past slot K - 1."""
-  idx = first + jnp.arange(count)
+  idx = first + _iota(count)
   return plgpu.load(active_rows_ref.at[idx],
                     mask=idx < active_rows_ref.shape[0], other=sentinel)
 
@@ -178,7 +193,7 @@ def _gathered_dx_kernel(
   block_rows, block_d, block_n = (
       block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
   d_block, row_block = pl.program_id(0), pl.program_id(1)
-  d_idx = d_block * block_d + jnp.arange(block_d)
+  d_idx = d_block * block_d + _iota(block_d)
   d_in = d_idx < d
 
   # Programs [0, num_compute_blocks) compute the selected rows; with all T rows
@@ -187,7 +202,7 @@ def _gathered_dx_kernel(
   first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
                                           num_slots - 1)]
   is_compute_block = row_block < num_compute_blocks
-  slots = row_block * block_rows + jnp.arange(block_rows)
+  slots = row_block * block_rows + _iota(block_rows)
 
   # Rows are sorted with sentinels last, so a block is all padding iff its
   # first row is the sentinel: skip the whole N loop.
@@ -198,7 +213,7 @@ def _gathered_dx_kernel(
     row_in = rows < num_rows
 
     def body(n_step, acc):
-      n_idx = n_step * block_n + jnp.arange(block_n)
+      n_idx = n_step * block_n + _iota(block_n)
       n_in = n_idx < n
       dy_tile = plgpu.load(
           dy_ref.at[rows[:, None], n_idx[None, :]],
@@ -232,8 +247,7 @@ def _gathered_dx_kernel(
 
   @pl.when(jnp.logical_not(is_compute_block))
   def _zero_fill():
-    rows = (row_block - num_compute_blocks) * block_rows + jnp.arange(
-        block_rows)
+    rows = (row_block - num_compute_blocks) * block_rows + _iota(block_rows)
     slot = _lower_bound(active_rows_ref, rows)
     at_slot = plgpu.load(
         active_rows_ref.at[jnp.minimum(slot, num_slots - 1)])
@@ -264,15 +278,16 @@ def _gathered_dw_db_kernel(
   if not d_fastest:
     d_block, n_block = n_block, d_block
   split = pl.program_id(2)
-  d_idx = d_block * block_d + jnp.arange(block_d)
-  n_idx = n_block * block_n + jnp.arange(block_n)
+  d_idx = d_block * block_d + _iota(block_d)
+  n_idx = n_block * block_n + _iota(block_n)
   d_in = d_idx < d
   n_in = n_idx < n
 
   # Only steps holding at least one selected row do work: padding at the end
   # of active_rows costs nothing. The sentinel's slot is the selected count.
   num_selected = _lower_bound(active_rows_ref, jnp.int32(num_rows))
-  num_steps = pl.cdiv(num_selected, block_rows)
+  # pl.cdiv with an int32 divisor: a Python int one would be int64 under x64.
+  num_steps = lax.div(num_selected + block_rows - 1, jnp.int32(block_rows))
   first_step = split * steps_per_split
   last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
@@ -454,6 +469,7 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
   d, kernel_n = kernel.shape
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
+  _check_operand_dtypes(dy=dy, kernel=kernel)
   if kept_rows_only and active_rows.shape[0] == 0:
     return jnp.zeros((0, d), dy.dtype)
   block_sizes = block_sizes or default_block_sizes(
@@ -504,6 +520,7 @@ def gathered_dw_db(
   dy_rows, n = dy.shape
   if dy_rows != num_rows:
     raise ValueError(f"x {x.shape} and dy {dy.shape} disagree on T")
+  _check_operand_dtypes(x=x, dy=dy)
   block_sizes = block_sizes or default_block_sizes(
       "dw", d, n, jnp.promote_types(x.dtype, dy.dtype))
   block_sizes = dataclasses.replace(

@@ -265,6 +265,29 @@ def test_tf32_on_request():
   assert _relative_error(_f64(dx)[rows], expected) < 2e-3
 
 
+def test_under_enable_x64():
+  """jax_enable_x64 changes no index dtype inside the kernels; float64 operands, which they
+  would sum in float32, are refused by name."""
+  rng = np.random.default_rng(12)
+  with jax.enable_x64(True):
+    x = _random(rng, (40, 16), jnp.float32)
+    dy = _random(rng, (40, 24), jnp.float32)
+    kernel = _random(rng, (16, 24), jnp.float32)
+    active_rows, rows = _active_rows(rng, 40, 8, 5)
+    dx = gathered_dx(dy, kernel, active_rows, kept_rows_only=True, block_sizes=SMALL_BLOCKS,
+                     interpret=INTERPRET)
+    dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, block_sizes=SPLIT_BLOCKS,
+                            interpret=INTERPRET)
+    assert _relative_error(dx[:5], _f64(dy)[rows] @ _f64(kernel).T) < 1e-5
+    assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < 1e-5
+    assert _relative_error(db, _f64(dy)[rows].sum(0)) < 1e-5
+    with pytest.raises(ValueError, match="dy must be float32, bfloat16 or float16.*float64"):
+      gathered_dx(dy.astype(jnp.float64), kernel, active_rows, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16.*float64"):
+      gathered_dw_db(x.astype(jnp.float64), dy, active_rows, with_bias=False,
+                     interpret=INTERPRET)
+
+
 @pytest.mark.skipif(INTERPRET, reason="needs a GPU with > 10 GB of memory")
 def test_offsets_beyond_int32():
   """Rows whose element offset exceeds 2**31 (arrays over 4 GiB)."""
