@@ -14,7 +14,7 @@ import sebp_jax
 import sebp_jax.backends
 import sebp_jax.layers
 import sebp_jax.ops
-from benchmarks import ablations, layer, model
+from benchmarks import ablations, layer, model, tune_blocks
 
 
 def test_model_benchmark_records(tmp_path):
@@ -54,6 +54,19 @@ def test_layer_benchmark_records(tmp_path):
   assert variants == {("dense", None), ("kept_matmuls", "pregathered"),
                       *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
+
+
+def test_tune_blocks_records_every_candidate(tmp_path, capsys):
+  out = tmp_path / "tune.jsonl"
+  tune_blocks.main(["--shapes", "48x64", "--tokens", "128", "--kept", "20", "--repeats", "1",
+                    "--input-sets", "1", "--compile-threads", "1", "--out", str(out)])
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["kernel"] for r in records] == (["dx"] * len(tune_blocks.DX_CANDIDATES)
+                                            + ["dw"] * len(tune_blocks.DW_CANDIDATES))
+  # Interpreted, every tile fits: each candidate was timed, and a winner is printed per kernel.
+  assert all(r["error"] is None and r["median_ms"] > 0 for r in records)
+  table = capsys.readouterr().out
+  assert "48x64     dx" in table and "48x64     dw" in table
 
 
 def test_ablation_studies_run_and_agree(tmp_path):
