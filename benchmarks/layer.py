@@ -147,14 +147,13 @@ def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
                            index_given=index_mode == "given")
 
   def backward(x, kernel, dy, active_rows):
-    options = dict(with_bias=True, precision=None, dkernel_dtype=kernel.dtype)
     if backend == "dense":
-      dx, dkernel, dbias = backends.dense_backward(x, kernel, dy, **options)
-    else:
-      if active_rows is None:
-        active_rows = select_active_rows(dy, top_n, 0.0)
-      dx, dkernel, dbias = sparse_backward(x, kernel, dy, active_rows, backend=backend,
-                                           **options)
+      return dense_backward_as_the_op(x, kernel, dy)
+    if active_rows is None:
+      active_rows = select_active_rows(dy, top_n, 0.0)
+    dx, dkernel, dbias = sparse_backward(x, kernel, dy, active_rows, with_bias=True,
+                                         precision=None, backend=backend,
+                                         dkernel_dtype=kernel.dtype)
     return dx, dkernel, dbias.astype(dy.dtype)
 
   if index_mode == "selected":
@@ -162,11 +161,12 @@ def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
   return backward
 
 
-def kept_matmuls(x_kept, kernel, dy_kept):
-  """The dense backward of rows gathered beforehand, as the op runs it."""
-  dx, dkernel, dbias = backends.dense_backward(x_kept, kernel, dy_kept, with_bias=True,
-                                               precision=None, dkernel_dtype=kernel.dtype)
-  return dx, dkernel, dbias.astype(dy_kept.dtype)
+def dense_backward_as_the_op(x, kernel, dy):
+  """The library's dense backward as ``sebp_linear`` runs it; on rows gathered beforehand,
+  the ``kept_matmuls`` variant."""
+  dx, dkernel, dbias = backends.dense_backward(x, kernel, dy, with_bias=True, precision=None,
+                                               dkernel_dtype=kernel.dtype)
+  return dx, dkernel, dbias.astype(dy.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _variants(case: Case):
       yield backend, index_mode, fn, args
   x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
   dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
-  yield "kept_matmuls", "pregathered", kept_matmuls, (x_kept, kernel, dy_kept)
+  yield "kept_matmuls", "pregathered", dense_backward_as_the_op, (x_kept, kernel, dy_kept)
 
 
 def compile_all(cases, threads: int, input_sets: int):

@@ -385,8 +385,7 @@ def _gathered_dx_call(dy, kernel, active_rows, *, kept_rows_only: bool,
 
 def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
                          dw_dtype, db_dtype, block_sizes: BlockSizes,
-                         interpret: bool,
-                         precision):
+                         interpret: bool, precision):
   num_rows, d = x.shape
   n = dy.shape[1]
   active_rows = _at_least_one_slot(active_rows, num_rows)
@@ -412,8 +411,7 @@ def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   body = functools.partial(
       _gathered_dw_db_kernel, with_poison=poison is not None,
-      d_fastest=d_fastest,
-      steps_per_split=steps_per_split, block_sizes=block_sizes,
+      d_fastest=d_fastest, steps_per_split=steps_per_split, block_sizes=block_sizes,
       compute_dtype=compute_dtype,
       precision=_dot_precision(precision, x.dtype, dy.dtype))
   outs = pl.pallas_call(

@@ -10,11 +10,12 @@ Every backend has one signature, ``sparse_backward(x, kernel, dy, active_rows, .
 
 all summed in the accumulation dtype (:func:`accumulation_dtype`: float32, or float64 for
 float64 operands; the Pallas kernels sum in float32) and rounded once. dx and dkernel are stored
-by their matmuls in their final dtypes (the Pallas dx kernel stores dy's dtype, which is x's
-wherever :func:`sebp_jax.ops.sebp_linear` calls it), dkernel in ``dkernel_dtype`` (the kernel parameter's own dtype: a float32 kernel
-computed in bf16 gets its gradient without a round trip through bf16); a separate cast of the
-float32 result would be a pass of its own. dbias comes in the accumulation dtype, for the
-caller's cast to fuse into its reduction.
+by their matmuls in their final dtypes, since a separate cast of a float32 result would be a
+pass of its own: dx in x's (the Pallas dx kernel stores dy's, which is x's wherever
+:func:`sebp_jax.ops.sebp_linear` calls it), dkernel in ``dkernel_dtype``, the kernel
+parameter's own (a float32 kernel computed in bf16 gets its gradient without a round trip
+through bf16). dbias comes in the accumulation dtype, for the caller's cast to fuse into its
+reduction.
 
 ``poison``, an optional float32 scalar that is 0 or NaN, must reach dkernel and dbias (see
 :func:`sebp_jax.ops.nan_if_not_finite`).
