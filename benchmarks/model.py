@@ -16,6 +16,9 @@ Modes:
   bound          fixed padding, backward with every swapped linear layer's matmuls removed
                  (dX still written as zeros) and the embeddings on SEBP's shared index: no SEBP
                  backward can be faster than this
+  sebp_lm_head   sebp_shared with the LM head swapped too (``use_sebp(lm_head=True)``; exact
+                 under the masked causal-LM loss; Llama only)
+  bound_lm_head  the bound of sebp_lm_head: the LM head's matmuls removed too (Llama only)
   longest_dense  batch padded only to its longest sequence (rounded up to 64), dense
   longest_sebp   the same, SEBP with the shared index
 
@@ -31,7 +34,6 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-import re
 import sys
 import time
 
@@ -45,12 +47,13 @@ from tqdm import tqdm
 
 from benchmarks.records import append_json_lines
 from sebp_jax import use_sebp
-from sebp_jax.intercept import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
 from sebp_jax.losses import masked_causal_lm_loss
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 MODES = ("dense", "sebp_layer", "sebp_shared", "sebp_dense_only", "sebp_floor", "bound",
-         "longest_dense", "longest_sebp")
+         "sebp_lm_head", "bound_lm_head", "longest_dense", "longest_sebp")
+#: Modes that need a language-model head.
+LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head")
 FLOOR_ROWS = 16
 
 
@@ -61,12 +64,14 @@ class Setup:
   batch_size: int
   length: int
   lengths_file: str
+  has_lm_head: bool
 
 
 SETUPS = {
     "bert": Setup("bert-base (BertConfig(), classification head)", 32, 512,
-                  "sst2_dev_bert_wordpiece.json"),
-    "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json"),
+                  "sst2_dev_bert_wordpiece.json", has_lm_head=False),
+    "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
+                   has_lm_head=True),
 }
 
 
@@ -138,16 +143,16 @@ _without_backward_matmuls.defvjp(_fwd, _bwd)
 
 
 @contextlib.contextmanager
-def linear_backward_removed():
-  """The lower bound: the layers SEBP would swap keep their forward but their backward does
-  no matmul (their params get no gradient)."""
-  include, exclude = re.compile(DEFAULT_INCLUDE), re.compile(DEFAULT_EXCLUDE)
+def linear_backward_removed(lm_head: bool):
+  """The lower bound: the layers ``use_sebp(lm_head=lm_head)`` would swap keep their forward
+  but their backward does no matmul (their params get no gradient)."""
+  # Never entered: it only answers which layers it would swap.
+  selection = use_sebp(top_n=1, lm_head=lm_head)
 
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
-    path = "/".join(module.path)
     if (context.method_name == "__call__" and isinstance(module, nn.Dense)
-        and include.search(path) and not exclude.search(path)):
+        and selection.skip_reason(module) is None):
       y = jax.lax.stop_gradient(next_fun(*args, **kwargs))
       return _without_backward_matmuls(args[0], y)
     return next_fun(*args, **kwargs)
@@ -159,14 +164,15 @@ def linear_backward_removed():
 def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
   def context(batch):
     mask = batch["attention_mask"]
-    if mode in ("sebp_shared", "longest_sebp", "sebp_floor", "sebp_dense_only"):
+    if mode in ("sebp_shared", "longest_sebp", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
       return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, backend=backend,
-                      active_mask=mask, embeddings=mode != "sebp_dense_only")
+                      active_mask=mask, embeddings=mode != "sebp_dense_only",
+                      lm_head=mode == "sebp_lm_head")
     if mode == "sebp_layer":
       return use_sebp(top_n=top_n, backend=backend)
-    if mode == "bound":
+    if mode in ("bound", "bound_lm_head"):
       stack = contextlib.ExitStack()
-      stack.enter_context(linear_backward_removed())
+      stack.enter_context(linear_backward_removed(lm_head=mode == "bound_lm_head"))
       # The embeddings as SEBP runs them (no Dense layer matches the include pattern).
       stack.enter_context(use_sebp(top_n=top_n, active_mask=mask, include=r"(?!)",
                                    require_swaps=False))
@@ -211,6 +217,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
   top_n = int(batch["attention_mask"].sum())
   optimizer = optax.adamw(1e-5)
   opt_state = optimizer.init(params)
+  if not setup.has_lm_head:
+    modes = [m for m in modes if m not in LM_HEAD_MODES]
   rows = []
   for mode in tqdm(modes, desc=kind, file=sys.stdout):
     mode_batch = cut_to_longest(batch) if mode.startswith("longest") else batch

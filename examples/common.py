@@ -42,16 +42,18 @@ def parse_training_args(doc: str, argv, *, steps: int, batch_size: int, max_leng
     extra(parser)
   args = parser.parse_args(argv)
   for name, value in vars(args).items():
-    if isinstance(value, int) and name != "seed" and value <= 0:
+    if (isinstance(value, int) and not isinstance(value, bool) and name != "seed"
+        and value <= 0):
       parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
   return args
 
 
-def sebp_context(top_n: int | None, attention_mask):
-  """``use_sebp`` on the index of the batch's real tokens, or nothing (dense) for None."""
+def sebp_context(top_n: int | None, attention_mask, **sebp_kwargs):
+  """``use_sebp`` on the index of the batch's real tokens (more ``use_sebp`` arguments in
+  ``sebp_kwargs``), or nothing (dense) for None."""
   if top_n is None:
     return contextlib.nullcontext()
-  return use_sebp(top_n=top_n, active_mask=attention_mask)
+  return use_sebp(top_n=top_n, active_mask=attention_mask, **sebp_kwargs)
 
 
 def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],

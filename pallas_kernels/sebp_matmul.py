@@ -72,14 +72,18 @@ class BlockSizes:
 
 # Defaults measured on an NVIDIA H200 with jax 0.11.2 (bf16, T=16384, 20% of
 # rows kept, bert-base and Llama-3.2 layer shapes; benchmarks/tune_blocks.py,
-# results in benchmarks/RESULTS.md). dx is keyed by its reduction length N:
-# long reductions amortise a wide tile. dW is keyed by its tile count D * N:
-# small layers split the row reduction to occupy every SM.
-_DX_DEFAULTS = (  # (smallest N, blocks)
-    (2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
-                      num_warps=8, num_stages=3)),
-    (0, BlockSizes(block_rows=128, block_d=128, block_n=32,
-                   num_warps=4, num_stages=5)),
+# results in benchmarks/RESULTS.md), checked on an H100 with the kept-rows dX.
+# dx is keyed by its reduction length N, then its width D: long reductions
+# amortise a wide tile, unless D is too narrow to give every SM tiles of it.
+# dW is keyed by its tile count D * N: small layers split the row reduction to
+# occupy every SM.
+_DX_DEFAULTS = (  # (smallest N, smallest D, blocks)
+    (2048, 2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
+                            num_warps=8, num_stages=3)),
+    (2048, 0, BlockSizes(block_rows=64, block_d=128, block_n=64,
+                         num_warps=4, num_stages=3)),
+    (0, 0, BlockSizes(block_rows=128, block_d=128, block_n=32,
+                      num_warps=4, num_stages=5)),
 )
 _DW_DEFAULTS = (  # (smallest D * N, blocks)
     (2**24, BlockSizes(block_rows=64, block_d=128, block_n=128,
@@ -101,7 +105,8 @@ def default_block_sizes(kernel: str, d: int, n: int,
   """
   wide = jnp.dtype(dtype).itemsize > 2
   if kernel == "dx":
-    blocks = next(b for min_n, b in _DX_DEFAULTS if n >= min_n)
+    blocks = next(b for min_n, min_d, b in _DX_DEFAULTS
+                  if n >= min_n and d >= min_d)
     return (dataclasses.replace(blocks, block_n=max(16, blocks.block_n // 2))
             if wide else blocks)
   if kernel == "dw":

@@ -34,8 +34,15 @@ logger = logging.getLogger("sebp_jax")
 #: The layers the SEBP paper swaps: attention projections and MLP layers of BERT-style
 #: (query/key/value/dense) and Llama-style (q/k/v/o/gate/up/down_proj) models.
 DEFAULT_INCLUDE = r"(^|/)(query|key|value|dense|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
-#: Heads see one row per sequence (or the vocabulary), where sparsity buys nothing.
-DEFAULT_EXCLUDE = r"(^|/)(pooler|classifier|lm_head|score|qa_outputs)(/|$)"
+#: Language-model heads: the Dense layers under a path component ``lm_head`` (Llama, Mistral,
+#: RoBERTa) or ``cls/predictions`` (BERT). They see every token, and under a loss masked on
+#: padding their dY rows of padding are exactly zero, but the paper leaves them dense;
+#: ``use_sebp(lm_head=True)`` swaps them.
+LM_HEAD = r"(^|/)(lm_head|cls/predictions)(/|$)"
+_LM_HEAD = re.compile(LM_HEAD)
+#: Poolers and classification heads see one row per sequence: there are no rows to skip.
+#: Language-model heads are left dense too unless ``lm_head=True``.
+DEFAULT_EXCLUDE = rf"(^|/)(pooler|classifier|score|qa_outputs)(/|$)|{LM_HEAD}"
 
 
 @dataclasses.dataclass
@@ -62,6 +69,12 @@ class SEBPReport:
             f"{len(self.skipped)} left dense")
 
 
+def module_path(module: nn.Module) -> str:
+  """A bound module's path joined with ``/``; ``"<root>"`` for a top-level module (also a
+  module applied on its own through ``.apply`` inside another one)."""
+  return "/".join(module.path) or "<root>"
+
+
 class use_sebp:
   """Runs the selected ``nn.Dense`` layers of any linen model with the SEBP backward.
 
@@ -82,7 +95,15 @@ class use_sebp:
     include: regex over the module path (``"bert/encoder/layer/0/attention/self/query"``); a
       Dense layer is swapped when it matches ``include`` and not ``exclude``. Subclasses of
       ``nn.Dense`` / ``nn.Embed`` with their own ``__call__`` are always left alone.
-    exclude: regex of paths left dense; default: pooler and classification / LM heads.
+    exclude: regex of paths left dense; default: poolers and classification / LM heads.
+    lm_head: also swap the language-model head's Dense layers (paths matching
+      :data:`LM_HEAD`), whatever ``include`` and ``exclude`` say. Exact with ``active_mask``
+      when the loss is masked on padding (:func:`sebp_jax.losses.masked_causal_lm_loss`), and
+      the head is a large layer: in Llama-3.2-1B (vocabulary 128256) it is 21% of the linear
+      layers' FLOPs, in SmolLM2-135M 21%. A head that a model applies through ``.apply`` with
+      the embedding's weights (tied GPT-2, a tied BERT/RoBERTa MLM decoder) is a module of its
+      own with no path (``"<root>"`` in the report) and is not covered; Flax Llama has its own
+      ``lm_head`` even when the checkpoint ties it.
     active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
       index of the real tokens is computed once and every layer whose input has the mask's
       shape as its leading dims (embedding ids: the mask's shape) reuses it instead of
@@ -102,12 +123,13 @@ class use_sebp:
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
                include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
                active_mask: jax.Array | None = None, backend: str = "auto",
-               embeddings: bool = True, require_swaps: bool = True):
+               embeddings: bool = True, lm_head: bool = False, require_swaps: bool = True):
     resolve_top_n(top_n, 1)  # Validates now rather than inside a trace.
     self.top_n = top_n
     self.threshold = validate_threshold(threshold)
     self.include = re.compile(include)
     self.exclude = re.compile(exclude) if exclude else None
+    self.lm_head = lm_head
     self.active_mask = active_mask
     self.backend = validate_backend(backend)
     self.embeddings = embeddings
@@ -169,37 +191,44 @@ class use_sebp:
       return self._shared_rows, self._shared_rows.shape[0]
     return None, self.top_n
 
-  def _intercept(self, next_fun, args, kwargs, context) -> Any:
-    module = context.module
+  def skip_reason(self, module: nn.Module) -> str | None:
+    """Why this context leaves ``module`` (a bound ``nn.Dense`` or ``nn.Embed``, as its
+    interceptor sees it) as it is, or None when it gives it the SEBP backward."""
+    is_dense = isinstance(module, nn.Dense)
     # Only modules that run nn.Dense's / nn.Embed's own __call__ are swapped: a subclass with
     # its own __call__ (SEBPDense, SEBPEmbed, or any other) would lose its code.
+    if type(module).__call__ is not (nn.Dense if is_dense else nn.Embed).__call__:
+      return "a subclass with its own __call__"
+    path = module_path(module)
+    if not (is_dense and self.lm_head and _LM_HEAD.search(path)):
+      if self.exclude and self.exclude.search(path):
+        return "matched by exclude"
+      if is_dense and not self.include.search(path):
+        return "not matched by include"
+    if is_dense and (module.dot_general is not None or module.dot_general_cls is not None):
+      return "custom dot_general (e.g. fp8/quantized)"
+    if not is_dense and module.num_embeddings == 1:
+      return "one-row embedding (a broadcast, no lookup)"
+    return None
+
+  def _intercept(self, next_fun, args, kwargs, context) -> Any:
+    module = context.module
     is_dense = isinstance(module, nn.Dense)
     is_embed = self.embeddings and isinstance(module, nn.Embed)
     if context.method_name != "__call__" or not (is_dense or is_embed):
       return next_fun(*args, **kwargs)
-    path = "/".join(module.path)
-    if type(module).__call__ is not (nn.Dense if is_dense else nn.Embed).__call__:
-      if not isinstance(module, (SEBPDense, SEBPEmbed)):
-        self.report.skipped[path] = "a subclass with its own __call__"
-      return next_fun(*args, **kwargs)
-    if self.exclude and self.exclude.search(path):
-      self.report.skipped[path] = "matched by exclude"
+    path = module_path(module)
+    reason = self.skip_reason(module)
+    if reason:
+      if not isinstance(module, (SEBPDense, SEBPEmbed)):  # These run SEBP themselves.
+        self.report.skipped[path] = reason
       return next_fun(*args, **kwargs)
     (inputs,) = args or (kwargs["inputs"],)
     if is_embed:
-      if module.num_embeddings == 1:
-        self.report.skipped[path] = "one-row embedding (a broadcast, no lookup)"
-        return next_fun(*args, **kwargs)
       active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs))
       self._record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
                              active_rows=active_rows)
-    if not self.include.search(path):
-      self.report.skipped[path] = "not matched by include"
-      return next_fun(*args, **kwargs)
-    if module.dot_general is not None or module.dot_general_cls is not None:
-      self.report.skipped[path] = "custom dot_general (e.g. fp8/quantized)"
-      return next_fun(*args, **kwargs)
     active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs)[:-1])
     self._record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,

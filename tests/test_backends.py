@@ -158,5 +158,13 @@ def test_auto_choice():
                         top_n=3277, itemsize=2, index_given=False, platform="gpu") == "xla"
   assert choose_backend("auto", num_rows=16384, top_n=430, index_given=True,
                         platform="gpu", **shapes) == "xla"
+  # H100, T=4096, half the rows kept: SEBP still wins a Llama MLP layer (1.36x selected,
+  # 1.57x given) and loses a bert-base one (0.50x selected).
+  llama_mlp = dict(num_rows=4096, in_features=3072, out_features=8192, top_n=2048, itemsize=2,
+                   platform="gpu")
+  assert choose_backend("auto", index_given=False, **llama_mlp) == "xla"
+  assert choose_backend("auto", index_given=True, **llama_mlp) == "xla"
+  assert choose_backend("auto", num_rows=4096, top_n=2048, index_given=False,
+                        platform="gpu", **shapes) == "dense"
   with pytest.raises(ValueError, match="backend must be one of"):
     choose_backend("triton", num_rows=8, top_n=2, index_given=False, **shapes)

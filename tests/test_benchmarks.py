@@ -38,11 +38,23 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
   dense = model.make_loss("llama", llama, "dense", top_n, "auto")
   bound = model.make_loss("llama", llama, "bound", top_n, "auto")
   assert np.isclose(dense(llama.params, batch), bound(llama.params, batch))
-  grads = jax.grad(bound)(llama.params, batch)["model"]
-  assert not np.any(grads["layers"]["0"]["mlp"]["up_proj"]["kernel"])
+  grads = jax.grad(bound)(llama.params, batch)
+  assert not np.any(grads["model"]["layers"]["0"]["mlp"]["up_proj"]["kernel"])
   # Not a linear layer: its gradient flows through the zero dX of the layers above, but the
   # final norm sits after them and keeps a real gradient.
-  assert np.any(grads["norm"]["weight"])
+  assert np.any(grads["model"]["norm"]["weight"])
+  assert np.any(grads["lm_head"]["kernel"])
+  # With the LM head in the bound, its dX is the zero one: nothing reaches the final norm.
+  bound_lm_head = model.make_loss("llama", llama, "bound_lm_head", top_n, "auto")
+  grads = jax.grad(bound_lm_head)(llama.params, batch)
+  assert not np.any(grads["lm_head"]["kernel"]) and not np.any(grads["model"]["norm"]["weight"])
+
+
+def test_lm_head_modes_only_for_models_with_one():
+  rows = model.main(["--tiny", "--model", "bert", "--model", "llama", "--modes",
+                     "dense,sebp_lm_head", "--repeats", "1"])
+  assert [(r["model"], r["mode"]) for r in rows] == [
+      ("bert", "dense"), ("llama", "dense"), ("llama", "sebp_lm_head")]
 
 
 def test_layer_benchmark_records(tmp_path):

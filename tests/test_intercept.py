@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
-                          LlamaConfig)
+from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
+                          FlaxLlamaForCausalLM, LlamaConfig)
 
 from model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
 from sebp_jax import use_sebp
@@ -50,12 +50,34 @@ def test_bert_gradients_equal_dense(tiny_bert, shared_index):
 
 
 @pytest.mark.parametrize("shared_index", [False, True])
-def test_llama_gradients_equal_dense(tiny_llama, shared_index):
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_llama_gradients_equal_dense(tiny_llama, shared_index, lm_head):
   ids, mask = _padded_batch(np.random.default_rng(1), 2, 16, 120)
-  kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None)
+  kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None,
+                lm_head=lm_head)
   want = jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params)
   got = jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask, kwargs)))(tiny_llama.params)
   assert_every_gradient_close(got, want)
+  with use_sebp(**kwargs) as report:
+    tiny_llama(ids, attention_mask=mask)
+  assert ("lm_head" in report.swapped) == lm_head
+
+
+def test_lm_heads_of_bert_and_tied_heads():
+  config = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=64)
+  model = FlaxBertForMaskedLM(config, seed=0)
+  ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
+  head = "cls/predictions/transform/dense"
+  with use_sebp(top_n=4) as report:
+    model(ids, attention_mask=mask)
+  assert report.skipped[head] == "matched by exclude"
+  # The decoder is tied to the word embedding and applied through .apply: a module of its own,
+  # with no path in the model, which no pattern can select.
+  assert report.skipped["<root>"] == "not matched by include"
+  with use_sebp(top_n=4, lm_head=True) as report:
+    model(ids, attention_mask=mask)
+  assert head in report.swapped and "<root>" in report.skipped
 
 
 def test_default_selection_and_report(tiny_bert, tiny_llama):
@@ -73,6 +95,11 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 2 * 7 and "lm_head" in report.skipped
   assert report.embeddings == ["model/embed_tokens"]
+  with use_sebp(top_n=4, lm_head=True, exclude=r"lm_head|embed") as report:
+    tiny_llama(ids, attention_mask=mask)
+  # lm_head=True wins over exclude (which still leaves the embedding alone).
+  assert report.num_swapped == 2 * 7 + 1 and "lm_head" in report.swapped
+  assert report.skipped == {"model/embed_tokens": "matched by exclude"}
   with use_sebp(top_n=4, embeddings=False) as report:
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 2 * 7 and not report.embeddings

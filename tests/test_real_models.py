@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
+from sebp_jax import use_sebp
 from sebp_jax.datasets import encode_fixed_length, load_sst2, load_wikitext2
 
 
@@ -31,7 +32,11 @@ def test_smollm2_wikitext_gradients(smollm2):
   batch = encode_fixed_length(tokenizer, paragraphs, 96)
   ids, mask = batch["input_ids"], batch["attention_mask"]
   assert 0 < mask.sum() < mask.size
-  kwargs = dict(top_n=int(mask.sum()), active_mask=mask)
+  # The LM head too: under the masked loss its padding rows of dY are exactly zero as well.
+  kwargs = dict(top_n=int(mask.sum()), active_mask=mask, lm_head=True)
   want = jax.jit(jax.grad(causal_lm_loss(model, ids, mask)))(params)
   got = jax.jit(jax.grad(causal_lm_loss(model, ids, mask, kwargs)))(params)
   assert_every_gradient_close(got, want)
+  with use_sebp(**kwargs) as report:
+    jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), params)
+  assert "lm_head" in report.shared_index and report.num_swapped == 30 * 7 + 1
