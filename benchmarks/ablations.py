@@ -1,4 +1,4 @@
-"""Ablations: the measurements behind six design choices of the SEBP backward.
+"""Ablations: the measurements behind seven design choices of the SEBP backward.
 
 Each study swaps one function of the library for its alternative (``unittest.mock.patch``)
 and times both side by side in one run:
@@ -26,6 +26,7 @@ and times both side by side in one run:
     python -m benchmarks.ablations poison --out ablations.jsonl
     python -m benchmarks.ablations cast --out ablations.jsonl
     python -m benchmarks.ablations store --out ablations.jsonl
+    python -m benchmarks.ablations bias-sum --out ablations.jsonl
     python -m benchmarks.ablations check --tiny          # a CPU smoke run at toy sizes
 """
 
@@ -59,6 +60,11 @@ TINY_DX_CASES = ((256, 64, 96, 20),)
 STORE_CASES = ((3277, 2048, 8192), (3277, 8192, 2048), (3277, 3072, 8192), (577, 2048, 8192),
                (3277, 768, 3072))
 TINY_STORE_CASES = ((40, 64, 96),)
+#: (T, D, N): bert-base and Llama-3.2 shapes at T=4096, where ``auto`` runs most of them
+#: dense, and one at T=16384.
+BIAS_SUM_CASES = ((4096, 768, 768), (4096, 768, 3072), (4096, 3072, 768), (4096, 2048, 512),
+                  (4096, 2048, 2048), (4096, 2048, 8192), (16384, 768, 3072))
+TINY_BIAS_SUM_CASES = ((256, 64, 96),)
 
 
 def _spread_rows_by_scatter(kept, rows, num_rows):
@@ -98,6 +104,11 @@ def _poison_after_matmuls(x, kernel, dy, active_rows, *, poison=None, **options)
 def _promote_before_the_op(module, *arrays, inexact=True):
   """The alternative to casting inside the op: the module's own promotion, as nn.Dense does."""
   return tuple(module.promote_dtype(*arrays, dtype=module.dtype, inexact=inexact)), None
+
+
+def _sum_rows_at_once(a, dtype):
+  """The alternative to ``backends.sum_rows``: one sum over all the rows."""
+  return jnp.sum(a, axis=0, dtype=dtype)
 
 
 def _record(study: str, variant: str, **fields) -> dict:
@@ -182,6 +193,53 @@ def store_study(repeats: int, tiny: bool) -> list[dict]:
   return records
 
 
+def bias_sum_study(repeats: int, tiny: bool, input_sets: int = 4, rounds: int = 3) -> list[dict]:
+  """Each variant runs ``input_sets`` backwards per call (distinct inputs, so that none reads
+  its operands from L2), in ``rounds`` rounds taken in turn; the median over rounds."""
+  records = []
+  for num_rows, d, n in tqdm(TINY_BIAS_SUM_CASES if tiny else BIAS_SUM_CASES,
+                             desc="bias-sum", file=sys.stdout):
+    inputs = []
+    for seed in range(input_sets):
+      keys = jax.random.split(jax.random.key(seed), 3)
+      inputs.append((jax.random.normal(keys[0], (num_rows, d), jnp.bfloat16),
+                     jax.random.normal(keys[1], (d, n), jnp.bfloat16) * 0.02,
+                     jnp.zeros((n,), jnp.bfloat16),
+                     jax.random.normal(keys[2], (num_rows, n), jnp.bfloat16)))
+
+    def autodiff(x, kernel, bias, dy):
+      return jax.vjp(lambda *args: args[0] @ args[1] + args[2], x, kernel, bias)[1](dy)
+
+    def library(x, kernel, bias, dy):
+      dx, dkernel, dbias = sebp_jax.backends.dense_backward(
+          x, kernel, dy, with_bias=True, precision=None, dkernel_dtype=kernel.dtype)
+      return dx, dkernel, dbias.astype(bias.dtype)
+
+    variants = {"jax.vjp": (autodiff, []),
+                "partial sums": (library, []),
+                "one sum": (library, [(sebp_jax.backends, "sum_rows", _sum_rows_at_once)])}
+    # The float64 sum of the first set's dY, rounded once to bf16.
+    exact = np.asarray(jnp.asarray(np.asarray(inputs[0][3], np.float64).sum(axis=0),
+                                   jnp.float32).astype(jnp.bfloat16), np.float32)
+    compiled, mismatches = {}, {}
+    for name, (fn, swaps) in variants.items():
+      with _patched(swaps):
+        compiled[name] = jax.jit(over_input_sets(fn)).lower(*inputs).compile()
+      dbias = np.asarray(compiled[name](*inputs)[0][2], np.float32)
+      mismatches[name] = int(np.sum(dbias != exact))
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+      for name, fn in compiled.items():
+        times[name].append(time_ms(fn, *inputs, repeats=repeats, work_items=input_sets))
+    vjp_ms = float(np.median(times["jax.vjp"]))
+    for name in variants:
+      ms = float(np.median(times[name]))
+      records.append(_record("bias-sum", name, tokens=num_rows, d=d, n=n, ms=ms,
+                             ms_rounds=times[name], speedup_vs_vjp=vjp_ms / ms,
+                             dbias_entries_off=mismatches[name], dbias_entries=n))
+  return records
+
+
 def _model_study(study: str, kinds, repeats: int, tiny: bool, variants,
                  rounds: int = 2) -> list[dict]:
   """Backward of each model, dense and with the shared index under each variant's swaps.
@@ -257,18 +315,22 @@ def _patched(swaps):
 
 
 def print_table(records) -> None:
-  """One line per record; the ratio is to dense (to the cast, in the store study)."""
+  """One line per record; the ratio is to dense (to the cast in the store study, to
+  ``jax.vjp`` in the bias-sum study, which also gives db's entries off)."""
   for r in records:
-    if r["study"] == "dx":
-      where = f"T={r['tokens']} {r['d']}x{r['n']} K={r['kept_rows']}"
+    if r["study"] in ("dx", "bias-sum"):
+      where = f"T={r['tokens']} {r['d']}x{r['n']}" + (
+          f" K={r['kept_rows']}" if "kept_rows" in r else "")
     elif r["study"] == "store":
       where = f"{r['output']} {r['d']}x{r['n']} K={r['kept_rows']}"
     else:
       where = r["model"]
     ms = r.get("ms", r.get("backward_ms"))
-    ratio = r.get("speedup_vs_dense", r.get("backward_speedup_vs_dense",
-                                            r.get("speedup_vs_cast")))
-    print(f"{r['study']:18} {where:28} {r['variant']:20} {ms:9.3f} ms  {ratio:5.2f}x")
+    ratio = next(r[key] for key in ("speedup_vs_dense", "backward_speedup_vs_dense",
+                                    "speedup_vs_cast", "speedup_vs_vjp") if key in r)
+    off = (f"  db off in {r['dbias_entries_off']}/{r['dbias_entries']}"
+           if "dbias_entries_off" in r else "")
+    print(f"{r['study']:18} {where:28} {r['variant']:20} {ms:9.3f} ms  {ratio:5.2f}x{off}")
 
 
 def main(argv=None) -> list[dict]:
@@ -276,7 +338,7 @@ def main(argv=None) -> list[dict]:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
   parser.add_argument("study", choices=("dx", "check", "embed-accumulation", "poison", "cast",
-                                        "store"))
+                                        "store", "bias-sum"))
   parser.add_argument("--model", choices=sorted(model_bench.SETUPS), action="append",
                       help="model(s) of the check, poison and cast studies (default: all)")
   parser.add_argument("--repeats", type=int, default=7)
@@ -292,6 +354,8 @@ def main(argv=None) -> list[dict]:
     records = embed_accumulation_study(args.repeats, args.tiny)
   elif args.study == "store":
     records = store_study(args.repeats, args.tiny)
+  elif args.study == "bias-sum":
+    records = bias_sum_study(args.repeats, args.tiny)
   else:
     study = {"check": check_study, "poison": poison_study, "cast": cast_study}[args.study]
     records = study(kinds, args.repeats, args.tiny)

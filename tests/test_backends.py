@@ -11,7 +11,7 @@ import pytest
 
 from reference import random_sparse_rows, reference_backward, relative_error
 from sebp_jax import select_active_rows, sparse_backward
-from sebp_jax.backends import choose_backend, dense_backward
+from sebp_jax.backends import choose_backend, dense_backward, sum_rows
 
 BACKENDS = ["xla", "pallas"]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -131,6 +131,19 @@ def test_an_index_of_no_slots(backend):
   assert not np.any(dx) and not np.any(dkernel) and not np.any(dbias)
   _, dkernel, dbias = run(jnp.float32(jnp.nan))
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+
+
+@pytest.mark.parametrize("num_rows", [4096, 1000, 77, 6, 0])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_sum_rows_is_the_float32_sum(num_rows, dtype):
+  """Any row count (8 partials, fewer, one, none): the float64 sum up to float32 rounding,
+  where a sum in the 16-bit dtype would be off by its own ulps."""
+  rng = np.random.default_rng(num_rows)
+  a = jnp.asarray(rng.standard_normal((num_rows, 24)) + 1.0, dtype)
+  got = sum_rows(a, jnp.float32)
+  assert got.shape == (24,) and got.dtype == jnp.float32
+  expected = np.asarray(a, np.float64).sum(axis=0)
+  np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_unknown_backend_is_rejected():

@@ -105,6 +105,11 @@ def test_ablation_studies_run_and_agree(tmp_path):
       (output, variant) for output in ("dW", "dX")
       for variant in ("float32, then cast", "stored by the matmul")]
   records += len(store)
+  bias_sum = ablations.main(["bias-sum", "--tiny", "--repeats", "1", "--out", str(out)])
+  assert [r["variant"] for r in bias_sum] == ["jax.vjp", "partial sums", "one sum"]
+  # Both float32 sums give the float64 sum rounded once, in every entry.
+  assert [r["dbias_entries_off"] for r in bias_sum[1:]] == [0, 0]
+  records += len(bias_sum)
   assert len(out.read_text().splitlines()) == records
 
 

@@ -1,18 +1,25 @@
 """Tests of the gathered SEBP matmul kernels against a float64 numpy reference.
 
 On CPU the kernels run in the Pallas interpreter. With a GPU present (or
-INTERPRET=0) the same tests run compiled: see benchmarks/gpu_check.sh.
+INTERPRET=0) the same tests run compiled: see benchmarks/gpu_check.sh. There,
+every production tile is also built for an A100 (sm_80), a card we have no
+access to, by compiling for a described target instead of the attached one.
 """
 
 import functools
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels import BlockSizes
+from pallas_kernels import default_block_sizes
 from pallas_kernels import gathered_dw_db
 from pallas_kernels import gathered_dw_db_reference
 from pallas_kernels import gathered_dx
@@ -229,6 +236,133 @@ def test_gathered_dw_db(num_rows, d, n, num_slots, num_selected, dtype, blocks,
   assert _relative_error(dw, expected_dw) < TOLERANCE[dtype]
   if with_bias:
     assert _relative_error(db, expected_db) < TOLERANCE[dtype]
+
+
+# One (D, N) in each class of the default tile tables, for dx (N >= 2048 and D >= 2048; N >=
+# 2048; the rest) and dW (D * N >= 2**24; >= 2**22; the rest).
+DEFAULT_TILE_CLASSES = [(4096, 4096), (1024, 4096), (256, 256)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("layer_shape", DEFAULT_TILE_CLASSES, ids=lambda s: "x".join(map(str, s)))
+def test_every_default_tile(layer_shape, dtype):
+  """Each production tile (in each dtype's variant) on a small problem it overhangs, so that
+  every edge is masked; the tiles at their own shapes are built for an A100 below."""
+  rng = np.random.default_rng([*layer_shape, jnp.dtype(dtype).itemsize])
+  num_rows, d, n = 70, 72, 100
+  x = _random(rng, (num_rows, d), dtype)
+  dy = _random(rng, (num_rows, n), dtype)
+  kernel = _random(rng, (d, n), dtype)
+  active_rows, rows = _active_rows(rng, num_rows, 48, 30)
+
+  dx = gathered_dx(dy, kernel, active_rows, kept_rows_only=True, interpret=INTERPRET,
+                   block_sizes=default_block_sizes("dx", *layer_shape, dtype))
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, interpret=INTERPRET,
+                          block_sizes=default_block_sizes("dw", *layer_shape, dtype))
+
+  assert np.all(_f64(dx)[30:] == 0.0)
+  assert _relative_error(dx[:30], _f64(dy)[rows] @ _f64(kernel).T) < TOLERANCE[dtype]
+  assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < TOLERANCE[dtype]
+  assert _relative_error(db, _f64(dy)[rows].sum(axis=0)) < TOLERANCE[dtype]
+
+
+#: An A100-SXM4-40GB as XLA's GPU compiler sees a target (a GpuTargetConfigProto): sm_80,
+#: 108 SMs, 164 KiB of shared memory per SM and at most 163 KiB per block.
+A100_TARGET = """
+gpu_device_info {
+  cuda_compute_capability { major: 8 minor: 0 }
+  core_count: 108
+  fpus_per_core: 64
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  threads_per_core_limit: 2048
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 166912
+  shared_memory_per_core: 167936
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  memory_bandwidth: 1555200000000
+  l2_cache_size: 41943040
+  clock_rate_ghz: 1.41
+  device_memory_size: 42331013120
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+device_description_str: "A100 (compile-only target)"
+"""
+
+
+@pytest.fixture(scope="module")
+def on_an_a100():
+  """A sharding onto a described A100: what is compiled for it is built for sm_80, whatever
+  GPU is attached (a deviceless compile; nothing runs)."""
+  topology = topologies.get_topology_desc(topology_name="a100", platform="cuda",
+                                          target_config=A100_TARGET, topology="1x1x1")
+  assert [d.device_kind for d in topology.devices] == ["A100 (compile-only target)"]
+  return NamedSharding(topologies.make_mesh(topology, (1,), ("rows",)), PartitionSpec())
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("layer_shape", DEFAULT_TILE_CLASSES, ids=lambda s: "x".join(map(str, s)))
+def test_every_default_tile_builds_for_an_a100(on_an_a100, layer_shape, dtype):
+  """No A100 is lent here, only H100s: each production tile of both kernels, at its layer
+  shape, is compiled by XLA and Triton for sm_80, which fails where a kernel needs what sm_80
+  lacks (the control below). Nothing runs, so the shared memory an A100 grants at launch
+  is not checked."""
+  d, n = layer_shape
+  def spec(*shape, dtype=dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=on_an_a100)
+  active_rows = spec(819, dtype=jnp.int32)
+  dx = jax.jit(lambda dy, kernel, rows: gathered_dx(
+      dy, kernel, rows, kept_rows_only=True,
+      block_sizes=default_block_sizes("dx", d, n, dtype))).lower(
+          spec(4096, n), spec(d, n), active_rows).compile()
+  dw_db = jax.jit(lambda x, dy, rows: gathered_dw_db(
+      x, dy, rows, with_bias=True, block_sizes=default_block_sizes("dw", d, n, dtype))).lower(
+          spec(4096, d), spec(4096, n), active_rows).compile()
+  assert all('custom_call_target="__gpu$xla.gpu.triton"' in c.as_text() for c in (dx, dw_db))
+
+
+#: Builds a cast to float8_e4m3fn (sm_89 and newer) for the attached card, then for the A100;
+#: Triton's failure there ends the process (an LLVM fatal error), hence a process of its own.
+_FLOAT8_KERNEL_FOR_AN_A100 = """
+import sys
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl, topologies
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import NamedSharding, PartitionSpec
+
+def to_float8(x_ref, out_ref):
+  out_ref[...] = x_ref[...].astype(jnp.float8_e4m3fn)
+
+cast = jax.jit(pl.pallas_call(to_float8, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float8_e4m3fn),
+                              compiler_params=plgpu.CompilerParams(num_warps=4)))
+cast.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32)).compile()
+print("built for the attached card", flush=True)
+topology = topologies.get_topology_desc(topology_name="a100", platform="cuda",
+                                        target_config=sys.argv[1], topology="1x1x1")
+a100 = NamedSharding(topologies.make_mesh(topology, (1,), ("rows",)), PartitionSpec())
+cast.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=a100)).compile()
+print("built for the A100", flush=True)
+"""
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
+def test_a_kernel_beyond_an_a100_does_not_build_for_it():
+  """The check above can fail: a kernel that needs sm_89 builds for the attached card but not
+  for the described A100."""
+  result = subprocess.run([sys.executable, "-c", _FLOAT8_KERNEL_FOR_AN_A100, A100_TARGET],
+                          capture_output=True, text=True, timeout=600)
+  assert "built for the attached card" in result.stdout, result.stderr[-2000:]
+  assert "built for the A100" not in result.stdout and result.returncode != 0
+  assert "compute capability >= 89" in result.stderr, result.stderr[-2000:]
 
 
 def test_row_zero_counted_once():
