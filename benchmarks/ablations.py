@@ -60,10 +60,12 @@ TINY_DX_CASES = ((256, 64, 96, 20),)
 STORE_CASES = ((3277, 2048, 8192), (3277, 8192, 2048), (3277, 3072, 8192), (577, 2048, 8192),
                (3277, 768, 3072))
 TINY_STORE_CASES = ((40, 64, 96),)
-#: (T, D, N): bert-base and Llama-3.2 shapes at T=4096, where ``auto`` runs most of them
-#: dense, and one at T=16384.
-BIAS_SUM_CASES = ((4096, 768, 768), (4096, 768, 3072), (4096, 3072, 768), (4096, 2048, 512),
-                  (4096, 2048, 2048), (4096, 2048, 8192), (16384, 768, 3072))
+#: (T, D, N): bert-base and Llama-3.2 shapes at T=4096 and 16384, where ``auto`` runs the
+#: smaller ones dense at high kept fractions.
+BIAS_SUM_CASES = (*((4096, d, n) for d, n in ((768, 768), (768, 3072), (3072, 768), (2048, 512),
+                                               (2048, 2048), (2048, 8192))),
+                  *((16384, d, n) for d, n in ((768, 768), (768, 3072), (3072, 768), (2048, 512),
+                                                (2048, 2048))))
 TINY_BIAS_SUM_CASES = ((256, 64, 96),)
 
 

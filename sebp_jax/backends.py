@@ -69,25 +69,30 @@ def accumulation_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-#: At most this many interleaved partial sums in :func:`sum_rows`.
-ROW_SUM_PARTIALS = 8
+#: About how many rows each partial sum of :func:`sum_rows` adds up.
+ROWS_PER_PARTIAL_SUM = 256
 
 
 def sum_rows(a: Array, dtype) -> Array:
-  """``sum(a, axis=0)`` of ``a: [T, F]`` in ``dtype``, as ``k = gcd(T, 8)`` interleaved
-  partial sums (``[T/k, k*F]`` summed to ``[k*F]``, then ``[k, F]`` to ``[F]``).
+  """``sum(a, axis=0)`` of ``a: [T, F]`` in ``dtype``, as ``k`` interleaved partial sums
+  (``[T/k, k*F]`` summed to ``[k*F]``, then ``[k, F]`` to ``[F]``), ``k`` the largest power of
+  two that divides T and leaves each partial at least ``ROWS_PER_PARTIAL_SUM`` rows (T=4096:
+  16; T=16384: 64; odd T: 1).
 
   The same float32 sums as ``jnp.sum(a, axis=0, dtype=dtype)`` in another order, but faster
   on a GPU: XLA (jax 0.11.2) emits that convert-and-sum of a bf16 ``[T, F]`` as a Triton
   reduction fusion, slower than autodiff's bf16 sum, and the partial sums as a reduction of
-  its own emitter. On an H100 at T=4096 the library's dense backward (what ``auto`` runs
-  where SEBP would lose) went from 0.91-1.05x of ``jax.vjp`` to 1.00-1.15x on six layer
-  shapes; autodiff's bf16 sum, the faster one before, rounds as it adds and left 86-88% of
-  db's entries off the float64 sum rounded once, against none here
-  (``python -m benchmarks.ablations bias-sum``, ``benchmarks/RESULTS.md``).
+  its own emitter. Autodiff's bf16 sum, the faster one before, rounds as it adds: it left
+  86-88% of db's entries off the float64 sum rounded once at T=4096 (60-65% at T=16384),
+  these none. The library's dense backward (what ``auto`` runs where SEBP would lose) against
+  ``jax.vjp`` on an H100, bert-base and Llama layer shapes: at T=4096, 0.89-0.97x with one
+  sum, 0.99-1.16x with 16 partials; at T=16384, 0.99-1.04x with one, 1.00-1.04x with 64.
+  A fixed 8 partials, tried first, fell to 0.96x at T=16384 (``python -m benchmarks.ablations
+  bias-sum``, ``benchmarks/RESULTS.md``).
   """
   num_rows, num_features = a.shape
-  num_partials = math.gcd(num_rows, ROW_SUM_PARTIALS)
+  most_partials = max(1, num_rows // ROWS_PER_PARTIAL_SUM)
+  num_partials = math.gcd(num_rows, 1 << (most_partials.bit_length() - 1))
   partials = jnp.sum(a.reshape(num_rows // num_partials, num_partials * num_features), axis=0,
                      dtype=dtype)
   return jnp.sum(partials.reshape(num_partials, num_features), axis=0)

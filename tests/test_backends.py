@@ -133,11 +133,11 @@ def test_an_index_of_no_slots(backend):
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
-@pytest.mark.parametrize("num_rows", [4096, 1000, 77, 6, 0])
+@pytest.mark.parametrize("num_rows", [16384, 4096, 1000, 77, 6, 0])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_sum_rows_is_the_float32_sum(num_rows, dtype):
-  """Any row count (8 partials, fewer, one, none): the float64 sum up to float32 rounding,
-  where a sum in the 16-bit dtype would be off by its own ulps."""
+  """Any row count (64, 16 or 2 partial sums, one, no rows): the float64 sum up to float32
+  rounding, where a sum in the 16-bit dtype would be off by its own ulps."""
   rng = np.random.default_rng(num_rows)
   a = jnp.asarray(rng.standard_normal((num_rows, 24)) + 1.0, dtype)
   got = sum_rows(a, jnp.float32)
