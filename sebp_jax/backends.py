@@ -85,10 +85,10 @@ def sum_rows(a: Array, dtype) -> Array:
   its own emitter. Autodiff's bf16 sum, the faster one before, rounds as it adds: it left
   86-88% of db's entries off the float64 sum rounded once at T=4096 (60-65% at T=16384),
   these none. The library's dense backward (what ``auto`` runs where SEBP would lose) against
-  ``jax.vjp`` on an H100, bert-base and Llama layer shapes: at T=4096, 0.89-0.97x with one
-  sum, 0.99-1.16x with 16 partials; at T=16384, 0.99-1.04x with one, 1.00-1.04x with 64.
-  A fixed 8 partials, tried first, fell to 0.96x at T=16384 (``python -m benchmarks.ablations
-  bias-sum``, ``benchmarks/RESULTS.md``).
+  ``jax.vjp`` on an H100, bert-base and Llama layer shapes, two runs: at T=4096, 0.89-1.03x
+  with one sum, 0.99-1.16x with 16 partials; at T=16384, 0.98-1.04x with either (64
+  partials). A fixed 8 partials, tried first, fell to 0.96x at T=16384 (``python -m
+  benchmarks.ablations bias-sum``, ``benchmarks/RESULTS.md``).
   """
   num_rows, num_features = a.shape
   most_partials = max(1, num_rows // ROWS_PER_PARTIAL_SUM)

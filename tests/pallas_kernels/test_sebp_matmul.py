@@ -298,14 +298,18 @@ device_description_str: "A100 (compile-only target)"
 """
 
 
-@pytest.fixture(scope="module")
-def on_an_a100():
-  """A sharding onto a described A100: what is compiled for it is built for sm_80, whatever
+def a100_sharding() -> NamedSharding:
+  """A sharding onto the described A100: what is compiled for it is built for sm_80, whatever
   GPU is attached (a deviceless compile; nothing runs)."""
   topology = topologies.get_topology_desc(topology_name="a100", platform="cuda",
                                           target_config=A100_TARGET, topology="1x1x1")
   assert [d.device_kind for d in topology.devices] == ["A100 (compile-only target)"]
   return NamedSharding(topologies.make_mesh(topology, (1,), ("rows",)), PartitionSpec())
+
+
+@pytest.fixture(scope="module")
+def on_an_a100():
+  return a100_sharding()
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
@@ -330,14 +334,16 @@ def test_every_default_tile_builds_for_an_a100(on_an_a100, layer_shape, dtype):
   assert all('custom_call_target="__gpu$xla.gpu.triton"' in c.as_text() for c in (dx, dw_db))
 
 
-#: Builds a cast to float8_e4m3fn (sm_89 and newer) for the attached card, then for the A100;
-#: Triton's failure there ends the process (an LLVM fatal error), hence a process of its own.
+#: Builds a cast to float8_e4m3fn (sm_89 and newer) for the attached card, then for the A100
+#: (``a100_sharding`` of this module, whose directory is argv[1]); Triton's failure there ends
+#: the process (an LLVM fatal error), hence a process of its own.
 _FLOAT8_KERNEL_FOR_AN_A100 = """
-import sys
+import os, sys
 import jax, jax.numpy as jnp
-from jax.experimental import pallas as pl, topologies
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import NamedSharding, PartitionSpec
+sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], os.pardir, os.pardir)]
+from test_sebp_matmul import a100_sharding
 
 def to_float8(x_ref, out_ref):
   out_ref[...] = x_ref[...].astype(jnp.float8_e4m3fn)
@@ -346,10 +352,7 @@ cast = jax.jit(pl.pallas_call(to_float8, out_shape=jax.ShapeDtypeStruct((16, 16)
                               compiler_params=plgpu.CompilerParams(num_warps=4)))
 cast.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32)).compile()
 print("built for the attached card", flush=True)
-topology = topologies.get_topology_desc(topology_name="a100", platform="cuda",
-                                        target_config=sys.argv[1], topology="1x1x1")
-a100 = NamedSharding(topologies.make_mesh(topology, (1,), ("rows",)), PartitionSpec())
-cast.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=a100)).compile()
+cast.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=a100_sharding())).compile()
 print("built for the A100", flush=True)
 """
 
@@ -358,7 +361,8 @@ print("built for the A100", flush=True)
 def test_a_kernel_beyond_an_a100_does_not_build_for_it():
   """The check above can fail: a kernel that needs sm_89 builds for the attached card but not
   for the described A100."""
-  result = subprocess.run([sys.executable, "-c", _FLOAT8_KERNEL_FOR_AN_A100, A100_TARGET],
+  result = subprocess.run([sys.executable, "-c", _FLOAT8_KERNEL_FOR_AN_A100,
+                           os.path.dirname(os.path.abspath(__file__))],
                           capture_output=True, text=True, timeout=600)
   assert "built for the attached card" in result.stdout, result.stderr[-2000:]
   assert "built for the A100" not in result.stdout and result.returncode != 0
