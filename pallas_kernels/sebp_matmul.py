@@ -76,7 +76,10 @@ class BlockSizes:
 # dx is keyed by its reduction length N, then its width D: long reductions
 # amortise a wide tile, unless D is too narrow to give every SM tiles of it.
 # dW is keyed by its tile count D * N: small layers split the row reduction to
-# occupy every SM.
+# occupy every SM. dW loads each step's row indices inside its loop, and that
+# indirect load takes pipeline stages of its own: num_stages=5 keeps 3 tiles in
+# flight on an H100 (2 on an A100) where 4 kept 2 (1), and was 1.15-1.21x
+# faster on the four large Llama shapes (H100, benchmarks/RESULTS.md).
 _DX_DEFAULTS = (  # (smallest N, smallest D, blocks)
     (2048, 2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
                             num_warps=8, num_stages=3)),
@@ -87,9 +90,9 @@ _DX_DEFAULTS = (  # (smallest N, smallest D, blocks)
 )
 _DW_DEFAULTS = (  # (smallest D * N, blocks)
     (2**24, BlockSizes(block_rows=64, block_d=128, block_n=128,
-                       num_warps=8, num_stages=4)),
+                       num_warps=8, num_stages=5)),
     (2**22, BlockSizes(block_rows=64, block_d=128, block_n=128,
-                       num_warps=4, num_stages=3)),
+                       num_warps=4, num_stages=5)),
     (0, BlockSizes(block_rows=64, block_d=64, block_n=128, split_rows=4,
                    num_warps=4, num_stages=4)),
 )

@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import sebp_jax
 import sebp_jax.backends
@@ -79,6 +80,22 @@ def test_tune_blocks_records_every_candidate(tmp_path, capsys):
   assert all(r["error"] is None and r["median_ms"] > 0 for r in records)
   table = capsys.readouterr().out
   assert "48x64     dx" in table and "48x64     dw" in table
+
+
+def test_tune_blocks_sweeps_only_the_kernels_asked_for(tmp_path, capsys):
+  out = tmp_path / "tune.jsonl"
+  tune_blocks.main(["--kernels", "dw", "--shapes", "48x64", "--tokens", "128", "--repeats", "1",
+                    "--input-sets", "1", "--compile-threads", "1", "--out", str(out)])
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["kernel"] for r in records] == ["dw"] * len(tune_blocks.DW_CANDIDATES)
+  assert "48x64     dx" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kernels", ["dz", "dx,dW", ""])
+def test_tune_blocks_rejects_unknown_kernels(kernels, capsys):
+  with pytest.raises(SystemExit):
+    tune_blocks.main(["--kernels", kernels, "--shapes", "48x64"])
+  assert "--kernels must name dx and/or dw" in capsys.readouterr().err
 
 
 def test_ablation_studies_run_and_agree(tmp_path):

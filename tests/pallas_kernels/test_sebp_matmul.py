@@ -317,9 +317,9 @@ def on_an_a100():
 @pytest.mark.parametrize("layer_shape", DEFAULT_TILE_CLASSES, ids=lambda s: "x".join(map(str, s)))
 def test_every_default_tile_builds_for_an_a100(on_an_a100, layer_shape, dtype):
   """No A100 is lent here, only H100s: each production tile of both kernels, at its layer
-  shape, is compiled by XLA and Triton for sm_80, which fails where a kernel needs what sm_80
-  lacks (the control below). Nothing runs, so the shared memory an A100 grants at launch
-  is not checked."""
+  shape, is compiled by XLA and Triton for sm_80, which fails where a kernel needs an
+  instruction sm_80 lacks or more shared memory per block than an A100 grants (the two
+  controls below). Nothing runs on an A100."""
   d, n = layer_shape
   def spec(*shape, dtype=dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=on_an_a100)
@@ -367,6 +367,23 @@ def test_a_kernel_beyond_an_a100_does_not_build_for_it():
   assert "built for the attached card" in result.stdout, result.stderr[-2000:]
   assert "built for the A100" not in result.stdout and result.returncode != 0
   assert "compute capability >= 89" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
+def test_a_tile_beyond_an_a100s_shared_memory_does_not_build_for_it(on_an_a100):
+  """The check above can fail on shared memory too: five pipeline stages of a float32 dx tile
+  of 128x256 take 192 KiB (four buffers of 48 KiB), within an H100's 227 KiB per block but
+  beyond an A100's 163 KiB, which XLA refuses when it builds for the A100."""
+  blocks = BlockSizes(block_rows=128, block_d=256, block_n=32, num_warps=8, num_stages=5)
+  dx = jax.jit(lambda dy, kernel, rows: gathered_dx(dy, kernel, rows, kept_rows_only=True,
+                                                    block_sizes=blocks))
+  def specs(**sharding):
+    return [jax.ShapeDtypeStruct(shape, dtype, **sharding) for shape, dtype in
+            (((4096, 4096), jnp.float32), ((4096, 4096), jnp.float32), ((819,), jnp.int32))]
+  if float(jax.devices()[0].compute_capability) >= 9.0:
+    dx.lower(*specs()).compile()
+  with pytest.raises(Exception, match="Shared memory size limit exceeded"):
+    dx.lower(*specs(sharding=on_an_a100)).compile()
 
 
 def test_row_zero_counted_once():
