@@ -58,7 +58,7 @@ def test_lm_head_modes_only_for_models_with_one():
       ("bert", "dense"), ("llama", "dense"), ("llama", "sebp_lm_head")]
 
 
-def test_layer_benchmark_records(tmp_path):
+def test_layer_benchmark_records(tmp_path, capsys):
   out = tmp_path / "layer.jsonl"
   layer.main(["--shapes", "48x64", "--tokens", "128", "--kept", "20", "--repeats", "1",
               "--input-sets", "1", "--compile-threads", "1", "--out", str(out)])
@@ -67,6 +67,11 @@ def test_layer_benchmark_records(tmp_path):
   assert variants == {("dense", None), ("kept_matmuls", "pregathered"),
                       *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
+  # The table shows both backends' time over the roofline, as recorded.
+  header, _, row = capsys.readouterr().out.splitlines()[-3:]
+  assert "xla/roof" in header and "pal/roof" in header
+  roof = {r["backend"]: r["time_over_roofline"] for r in records if r["index"] == "selected"}
+  assert f"{roof['xla']:7.2f}x {roof['pallas']:7.2f}x |" in row
 
 
 def test_tune_blocks_records_every_candidate(tmp_path, capsys):
