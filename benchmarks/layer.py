@@ -346,8 +346,8 @@ def print_table(records):
     by_case.setdefault(key, {})[(r["backend"], r["index"])] = r
   header = (f"{'shape':>10} {'T':>6} {'kept':>4} | {'dense':>7} "
             f"{'xla-sel':>7} {'pal-sel':>7} {'xla-giv':>7} {'pal-giv':>7} ms | "
-            f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal':>7} "
-            f"{'xla/pal':>7} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} | "
+            f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal-s':>9} "
+            f"{'xla/pal-g':>9} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} | "
             f"{'matmuls':>7} {'xla-giv/mm':>10}")
   print(header)
   print("-" * len(header))
@@ -358,8 +358,8 @@ def print_table(records):
           f"{ms['xla', 'given']:7.3f} {ms['pallas', 'given']:7.3f}    | "
           f"{v['xla', 'selected']['speedup_over_dense']:8.2f}x "
           f"{v['pallas', 'selected']['speedup_over_dense']:8.2f}x "
-          f"{ms['xla', 'selected'] / ms['pallas', 'selected']:6.2f}x "
-          f"{ms['xla', 'given'] / ms['pallas', 'given']:6.2f}x "
+          f"{ms['xla', 'selected'] / ms['pallas', 'selected']:8.2f}x "
+          f"{ms['xla', 'given'] / ms['pallas', 'given']:8.2f}x "
           f"{v['xla', 'selected']['time_over_roofline']:7.2f}x "
           f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x | "
           f"{v['auto', 'selected']['speedup_over_dense']:7.2f}x "

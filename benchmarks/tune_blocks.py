@@ -50,10 +50,8 @@ DW_CANDIDATES = [
     BlockSizes(64, 128, 128, 4, 4, 4),
     BlockSizes(64, 128, 128, 4, 8, 3),
     BlockSizes(64, 64, 128, 4, 4, 4),
-    # Deeper pipelines: each step's row indices are loaded in the loop, and that
-    # indirect load takes pipeline stages of its own. By the shared memory XLA
-    # reports for 2048x8192, num_stages 2-4 hold 2 tile buffers on sm_90 (1 on
-    # sm_80) and 5 holds 3 (2 on sm_80).
+    # Deeper pipelines: dW's in-loop row-index load takes stages of its own
+    # (see _DW_DEFAULTS in pallas_kernels/sebp_matmul.py).
     BlockSizes(64, 128, 128, 1, 8, 5),
     BlockSizes(64, 128, 128, 1, 8, 6),
     BlockSizes(64, 128, 128, 1, 4, 5),
@@ -77,17 +75,28 @@ def _kernels(case: Case, kernels: tuple[str, ...]):
   dy = jax.ShapeDtypeStruct((case.num_rows, case.n), dtype)
   rows = jax.ShapeDtypeStruct((case.num_kept,), jnp.int32)
   interpret = jax.default_backend() == "cpu"  # CPU: a smoke test only.
-  for blocks in DX_CANDIDATES if "dx" in kernels else ():
-    # Kept rows only, as sebp_jax.backends calls the kernel.
-    fn = lambda dy_, k_, r_, b=blocks: gathered_dx(
-        dy_, k_, r_, kept_rows_only=True, block_sizes=b, interpret=interpret)
-    yield "dx", blocks, fn, (dy, kernel, rows)
-  for blocks in DW_CANDIDATES if "dw" in kernels else ():
-    # float32 stores, as sebp_jax.backends calls the kernel for float32 parameters.
-    fn = lambda x_, dy_, r_, b=blocks: gathered_dw_db(
-        x_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
-        block_sizes=b, interpret=interpret)
-    yield "dw", blocks, fn, (x, dy, rows)
+  if "dx" in kernels:
+    for blocks in DX_CANDIDATES:
+      # Kept rows only, as sebp_jax.backends calls the kernel.
+      fn = lambda dy_, k_, r_, b=blocks: gathered_dx(
+          dy_, k_, r_, kept_rows_only=True, block_sizes=b, interpret=interpret)
+      yield "dx", blocks, fn, (dy, kernel, rows)
+  if "dw" in kernels:
+    for blocks in DW_CANDIDATES:
+      # float32 stores, as sebp_jax.backends calls the kernel for float32 parameters.
+      fn = lambda x_, dy_, r_, b=blocks: gathered_dw_db(
+          x_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
+          block_sizes=b, interpret=interpret)
+      yield "dw", blocks, fn, (x, dy, rows)
+
+
+def _parse_kernels(text: str) -> tuple[str, ...]:
+  """``--kernels``: a comma-separated subset of dx,dw, each named once, in sweep order."""
+  names = text.split(",")
+  if not set(names) <= {"dx", "dw"} or len(set(names)) != len(names):
+    raise argparse.ArgumentTypeError(
+        f"--kernels must name dx and/or dw, each once, got {text!r}")
+  return tuple(name for name in ("dx", "dw") if name in names)
 
 
 def main(argv=None):
@@ -98,8 +107,8 @@ def main(argv=None):
                       help="append one JSON object per measurement")
   parser.add_argument("--shapes", default="all",
                       help="as in benchmarks.layer (default: all)")
-  parser.add_argument("--kernels", default="dx,dw",
-                      help="comma-separated subset of dx,dw to sweep")
+  parser.add_argument("--kernels", type=_parse_kernels, default=("dx", "dw"),
+                      help="comma-separated subset of dx,dw to sweep (default: both)")
   parser.add_argument("--tokens", type=int, default=16384)
   parser.add_argument("--kept", type=int, default=20, help="kept percent")
   parser.add_argument("--dtype", default="bfloat16")
@@ -111,9 +120,7 @@ def main(argv=None):
 
   cases = [Case(d, n, args.tokens, args.kept, args.dtype)
            for d, n in _parse_shapes(args.shapes)]
-  kernels = tuple(args.kernels.split(","))
-  if not kernels or not set(kernels) <= {"dx", "dw"}:
-    parser.error(f"--kernels must name dx and/or dw, got {args.kernels!r}")
+  kernels = args.kernels
   jobs = [(case, *job) for case in cases for job in _kernels(case, kernels)]
 
   def compile_one(job):

@@ -77,9 +77,11 @@ class BlockSizes:
 # amortise a wide tile, unless D is too narrow to give every SM tiles of it.
 # dW is keyed by its tile count D * N: small layers split the row reduction to
 # occupy every SM. dW loads each step's row indices inside its loop, and that
-# indirect load takes pipeline stages of its own: num_stages=5 keeps 3 tiles in
-# flight on an H100 (2 on an A100) where 4 kept 2 (1), and was 1.15-1.21x
-# faster on the four large Llama shapes (H100, benchmarks/RESULTS.md).
+# indirect load takes pipeline stages of its own: by the shared memory XLA
+# reports for the large class, num_stages=5 holds 3 tiles on an H100 (2 on an
+# A100) where 4 held 2 (1), and it was 1.15-1.21x faster on the four large
+# Llama shapes; the mid class (3 stages before) gained 1.05x on 2048x2048
+# (H100, benchmarks/RESULTS.md session 7).
 _DX_DEFAULTS = (  # (smallest N, smallest D, blocks)
     (2048, 2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
                             num_warps=8, num_stages=3)),
@@ -104,7 +106,7 @@ def default_block_sizes(kernel: str, d: int, n: int,
 
   The table is for 2-byte operands; for 4-byte ones the reduction step is
   halved so the pipelined shared-memory buffers stay within an sm_80's
-  164 KiB.
+  163 KiB a block.
   """
   wide = jnp.dtype(dtype).itemsize > 2
   if kernel == "dx":

@@ -96,11 +96,11 @@ def test_tune_blocks_sweeps_only_the_kernels_asked_for(tmp_path, capsys):
   assert "48x64     dx" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kernels", ["dz", "dx,dW", ""])
+@pytest.mark.parametrize("kernels", ["dz", "dx,dW", "", "dw,dw"])
 def test_tune_blocks_rejects_unknown_kernels(kernels, capsys):
   with pytest.raises(SystemExit):
     tune_blocks.main(["--kernels", kernels, "--shapes", "48x64"])
-  assert "--kernels must name dx and/or dw" in capsys.readouterr().err
+  assert "--kernels must name dx and/or dw, each once" in capsys.readouterr().err
 
 
 def test_ablation_studies_run_and_agree(tmp_path):

@@ -371,18 +371,20 @@ def test_a_kernel_beyond_an_a100_does_not_build_for_it():
 
 @pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
 def test_a_tile_beyond_an_a100s_shared_memory_does_not_build_for_it(on_an_a100):
-  """The check above can fail on shared memory too: five pipeline stages of a float32 dx tile
-  of 128x256 take 192 KiB (four buffers of 48 KiB), within an H100's 227 KiB per block but
-  beyond an A100's 163 KiB, which XLA refuses when it builds for the A100."""
+  """The check above can fail on shared memory too. A float32 dx tile of 128x256 with five
+  pipeline stages takes 192 KiB on both cards (float32 dots hold num_stages - 1 buffers of
+  48 KiB; XLA's thunk dump, benchmarks/RESULTS.md session 7): within an sm_90 card's 227 KiB
+  per block, beyond an A100's 163 KiB, which XLA refuses when it builds for the A100."""
+  if jax.devices()[0].compute_capability != "9.0":
+    pytest.skip("the control's first half needs an sm_90 card (H100, H200): 227 KiB a block")
   blocks = BlockSizes(block_rows=128, block_d=256, block_n=32, num_warps=8, num_stages=5)
   dx = jax.jit(lambda dy, kernel, rows: gathered_dx(dy, kernel, rows, kept_rows_only=True,
                                                     block_sizes=blocks))
   def specs(**sharding):
     return [jax.ShapeDtypeStruct(shape, dtype, **sharding) for shape, dtype in
             (((4096, 4096), jnp.float32), ((4096, 4096), jnp.float32), ((819,), jnp.int32))]
-  if float(jax.devices()[0].compute_capability) >= 9.0:
-    dx.lower(*specs()).compile()
-  with pytest.raises(Exception, match="Shared memory size limit exceeded"):
+  dx.lower(*specs()).compile()
+  with pytest.raises(jax.errors.JaxRuntimeError, match="Shared memory size limit exceeded"):
     dx.lower(*specs(sharding=on_an_a100)).compile()
 
 
