@@ -120,8 +120,7 @@ def main(argv=None):
 
   cases = [Case(d, n, args.tokens, args.kept, args.dtype)
            for d, n in _parse_shapes(args.shapes)]
-  kernels = args.kernels
-  jobs = [(case, *job) for case in cases for job in _kernels(case, kernels)]
+  jobs = [(case, *job) for case in cases for job in _kernels(case, args.kernels)]
 
   def compile_one(job):
     case, name, blocks, fn, shapes = job
@@ -161,7 +160,7 @@ def main(argv=None):
         out.write(json.dumps(record) + "\n")
   print(f"{'shape':>10} {'kernel':>6} {'best ms':>8} {'worst ms':>8}  best blocks")
   for case in cases:
-    for name in kernels:
+    for name in args.kernels:
       timed = [r for r in records if r["shape"] == case.shape_name
                and r["kernel"] == name and r["median_ms"] is not None]
       if not timed:

@@ -8,6 +8,7 @@ access to, by compiling for a described target instead of the attached one.
 
 import functools
 import os
+import string
 import subprocess
 import sys
 
@@ -267,8 +268,10 @@ def test_every_default_tile(layer_shape, dtype):
 
 
 #: An A100-SXM4-40GB as XLA's GPU compiler sees a target (a GpuTargetConfigProto): sm_80,
-#: 108 SMs, 164 KiB of shared memory per SM and at most 163 KiB per block.
-A100_TARGET = """
+#: 108 SMs, 164 KiB of shared memory per SM and at most 163 KiB per block (the optin field,
+#: left to fill in so that a control can vary that limit alone).
+A100_SHARED_MEMORY_PER_BLOCK = 166912
+A100_TARGET = string.Template("""
 gpu_device_info {
   cuda_compute_capability { major: 8 minor: 0 }
   core_count: 108
@@ -283,8 +286,8 @@ gpu_device_info {
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
   shared_memory_per_block: 49152
-  shared_memory_per_block_optin: 166912
-  shared_memory_per_core: 167936
+  shared_memory_per_block_optin: $shared_memory_per_block
+  shared_memory_per_core: $shared_memory_per_core
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
   memory_bandwidth: 1555200000000
@@ -295,14 +298,17 @@ gpu_device_info {
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 8 }
 device_description_str: "A100 (compile-only target)"
-"""
+""")
 
 
-def a100_sharding() -> NamedSharding:
+def a100_sharding(shared_memory_per_block: int = A100_SHARED_MEMORY_PER_BLOCK) -> NamedSharding:
   """A sharding onto the described A100: what is compiled for it is built for sm_80, whatever
-  GPU is attached (a deviceless compile; nothing runs)."""
+  GPU is attached (a deviceless compile; nothing runs). ``shared_memory_per_block`` other than
+  the A100's describes an otherwise identical card with that limit."""
+  target = A100_TARGET.substitute(shared_memory_per_block=shared_memory_per_block,
+                              shared_memory_per_core=shared_memory_per_block + 1024)
   topology = topologies.get_topology_desc(topology_name="a100", platform="cuda",
-                                          target_config=A100_TARGET, topology="1x1x1")
+                                          target_config=target, topology="1x1x1")
   assert [d.device_kind for d in topology.devices] == ["A100 (compile-only target)"]
   return NamedSharding(topologies.make_mesh(topology, (1,), ("rows",)), PartitionSpec())
 
@@ -372,20 +378,18 @@ def test_a_kernel_beyond_an_a100_does_not_build_for_it():
 @pytest.mark.skipif(INTERPRET, reason="compiles through the CUDA plugin, for a GPU target")
 def test_a_tile_beyond_an_a100s_shared_memory_does_not_build_for_it(on_an_a100):
   """The check above can fail on shared memory too. A float32 dx tile of 128x256 with five
-  pipeline stages takes 192 KiB on both cards (float32 dots hold num_stages - 1 buffers of
-  48 KiB; XLA's thunk dump, benchmarks/RESULTS.md session 7): within an sm_90 card's 227 KiB
-  per block, beyond an A100's 163 KiB, which XLA refuses when it builds for the A100."""
-  if jax.devices()[0].compute_capability != "9.0":
-    pytest.skip("the control's first half needs an sm_90 card (H100, H200): 227 KiB a block")
+  pipeline stages takes 192 KiB on sm_80 (four buffers of 48 KiB; XLA's thunk dump,
+  benchmarks/RESULTS.md session 7): it builds for the described A100 given an H100's 227 KiB
+  per block, and XLA refuses it at the A100's own 163 KiB."""
   blocks = BlockSizes(block_rows=128, block_d=256, block_n=32, num_warps=8, num_stages=5)
   dx = jax.jit(lambda dy, kernel, rows: gathered_dx(dy, kernel, rows, kept_rows_only=True,
                                                     block_sizes=blocks))
-  def specs(**sharding):
-    return [jax.ShapeDtypeStruct(shape, dtype, **sharding) for shape, dtype in
+  def specs(sharding):
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in
             (((4096, 4096), jnp.float32), ((4096, 4096), jnp.float32), ((819,), jnp.int32))]
-  dx.lower(*specs()).compile()
+  dx.lower(*specs(a100_sharding(shared_memory_per_block=232448))).compile()
   with pytest.raises(jax.errors.JaxRuntimeError, match="Shared memory size limit exceeded"):
-    dx.lower(*specs(sharding=on_an_a100)).compile()
+    dx.lower(*specs(on_an_a100)).compile()
 
 
 def test_row_zero_counted_once():
