@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) examples/finetune_bert_sst2.py
+	$(PYTHON) -m examples.finetune_bert_sst2
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Compiled GPU run of the Pallas kernel and library tests, then (optionally) the block-size
-# sweep, the layer benchmark, the model benchmark and the ablations. Run from the
-# repository root on a GPU machine:
+# sweep, the layer benchmark and the model benchmark. Run from the repository root on a GPU
+# machine:
 #
 #   benchmarks/gpu_check.sh OUT_DIR [STEP...]
-#     STEP: tests, tune, bench, model, ablations (default: tests)
+#     STEP: tests, tune, bench, model (default: tests)
 #
 # BENCH_ARGS / TUNE_ARGS / MODEL_ARGS pass extra flags to benchmarks.layer /
-# benchmarks.tune_blocks / benchmarks.model; ABLATIONS names the studies to run. pytest, and transformers 4.x (the last
-# line with Flax models) where the image has 5.x, are installed from wheels carried
-# in .whl/ (`bash ../shared/tools/device-wheels` fetches them).
+# benchmarks.tune_blocks / benchmarks.model. Where the image lacks pytest or has
+# transformers 5.x (no Flax models), they are installed from wheels carried in .whl/.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [tests] [tune] [bench]}
 shift
@@ -31,11 +30,11 @@ status=0
 for step in $steps; do
   case $step in
     tests)
-      # The kernels compiled through Triton, and the library's own tests on the GPU (there
-      # backend="auto" may run small layers dense; tests of dropped rows ask for "xla").
+      # The kernels compiled through Triton, and the library's own tests on the GPU.
       INTERPRET=0 timeout 500 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels \
-        tests/test_backends.py tests/test_ops.py tests/test_layers.py tests/test_embedding.py \
-        tests/test_intercept.py 2>&1 | tee "$out/tests.log" | tail -25 || status=1 ;;
+        tests/test_implementations.py tests/test_backward.py tests/test_cost_model.py \
+        tests/test_ops.py tests/test_ops_embed.py tests/test_layers.py tests/test_intercept.py \
+        2>&1 | tee "$out/tests.log" | tail -25 || status=1 ;;
     tune)
       timeout 300 python3 -m benchmarks.tune_blocks --out "$out/tune.jsonl" ${TUNE_ARGS:-} \
         2>"$out/tune.err" | tee "$out/tune.txt" || status=1
@@ -47,11 +46,6 @@ for step in $steps; do
     model)
       timeout 600 python3 -m benchmarks.model --out "$out/model.jsonl" ${MODEL_ARGS:-} \
         2>"$out/model.err" | tee "$out/model.txt" || status=1 ;;
-    ablations)
-      for study in ${ABLATIONS:-dx check embed-accumulation poison cast store}; do
-        timeout 600 python3 -m benchmarks.ablations "$study" --out "$out/ablations.jsonl" \
-          2>>"$out/ablations.err" | tee -a "$out/ablations.txt" || status=1
-      done ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

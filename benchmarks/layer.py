@@ -1,23 +1,23 @@
-"""Times the backward of one linear layer: dense vs SEBP (XLA and Pallas backends).
+"""Times the backward of one linear layer: dense vs SEBP (XLA and Pallas implementations).
 
     python -m benchmarks.layer --out results.jsonl
     python -m benchmarks.layer --shapes 2048x8192,768x3072 --tokens 16384 --kept 20
 
 For each layer shape (D -> N), token count T and kept fraction, dY is random with the
-unkept rows zeroed (as padding rows are), and these are timed on whatever device JAX
-sees, each a median over repeats with a device sync:
+unkept rows zeroed (as padding rows are), and each variant's backward is timed on whatever
+device JAX sees, as ``jax.vjp`` of its forward (XLA drops the unused forward dot):
 
-* ``dense``: ``jax.vjp`` of ``x @ W + b``, the full backward;
-* ``xla`` / ``pallas``: ``sparse_backward`` with the index ``selected`` from dY inside
-  the timed function (``select_active_rows``) or ``given`` (precomputed);
-* ``kept_matmuls``: the dense backward of the kept rows alone, handed over as contiguous
-  ``[K, D]`` / ``[K, N]`` arrays (index ``pregathered``): what the reduced matmuls cost at
-  cuBLAS speed with no selection, gather or spread, so the floor of any backend that fuses
-  its gathers into cuBLAS-class matmuls. Not a valid backward (dX has K rows, not T).
+* ``dense``: ``x @ W + b`` in plain jnp, the full backward;
+* ``xla`` / ``pallas`` / ``auto``: :func:`sebp_jax.sebp_linear` with that backend, the index
+  ``selected`` from dY inside the backward or ``given`` (precomputed);
+* ``kept_matmuls``: the op's dense backward of the kept rows alone, handed over as contiguous
+  ``[K, D]`` / ``[K, N]`` arrays (index ``pregathered``): what the reduced matmuls cost with
+  no selection, gather or spread, the floor of any implementation built on cuBLAS-class
+  matmuls. Not a valid backward (dX has K rows, not T).
 
-The roofline bound of each variant is its FLOPs at the measured matmul rate plus the
-bytes it must move at the measured copy rate (both measured in the same run). Results
-go to stdout as a table and, one JSON object per measurement, to ``--out``.
+The roofline bound of each variant is its FLOPs at the measured matmul rate plus the bytes
+it must move at the measured copy rate (both measured in the same run). Results go to stdout
+as a table and, one JSON object per measurement, to ``--out``.
 """
 
 from __future__ import annotations
@@ -25,27 +25,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from sebp_jax import backends
-from sebp_jax.backends import choose_backend, sparse_backward
-from sebp_jax.selection import select_active_rows
+from benchmarks.harness import (ALL_SHAPES, append_json_lines, median_ms, over_input_sets,
+                                parse_positive_ints, parse_shapes, record)
+from sebp_jax import sebp_linear
 
-SHAPES = {
-    "bert-base": [(768, 768), (768, 3072), (3072, 768)],
-    "llama-3.2-1b/3b": [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048),
-                        (3072, 8192), (8192, 3072)],
-}
-ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes]
 TOKENS = (4096, 16384, 65536)
 KEPT_PERCENT = (5, 10, 20, 50)
 SPARSE_BACKENDS = ("xla", "pallas", "auto")
@@ -55,34 +46,6 @@ INDEX_MODES = ("selected", "given")
 # ---------------------------------------------------------------------------
 # Timing.
 # ---------------------------------------------------------------------------
-
-
-def time_ms(fn, *args, repeats: int, calls_per_repeat: int = 3,
-            work_items: int = 1) -> float:
-  """Median wall time in ms of one of the ``work_items`` evaluations done by
-  each ``fn(*args)`` call; each repeat runs back-to-back calls and syncs once.
-  """
-  jax.block_until_ready(fn(*args))  # Warm-up: compilation and first-run costs.
-  jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls_per_repeat):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    elapsed = time.perf_counter() - start
-    samples.append(elapsed * 1e3 / (calls_per_repeat * work_items))
-  return statistics.median(samples)
-
-
-def over_input_sets(fn):
-  """``fn`` applied to each of several argument tuples in one executable.
-
-  Timing one dispatch of ``input_sets`` evaluations keeps the host's launch
-  cost out of small cases, and distinct inputs keep a repeated evaluation
-  from reading its operands out of L2.
-  """
-  return lambda *input_sets: [fn(*inputs) for inputs in input_sets]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +63,10 @@ def measure_rates(repeats: int) -> DeviceRates:
   keys = jax.random.split(jax.random.key(1), 2)
   a = jax.random.normal(keys[0], (size, size), jnp.bfloat16)
   b = jax.random.normal(keys[1], (size, size), jnp.bfloat16)
-  matmul_ms = time_ms(jax.jit(jnp.dot), a, b, repeats=repeats)
+  matmul_ms = median_ms(jax.jit(jnp.dot), a, b, repeats=repeats, calls_per_repeat=3)
   # Elementwise op: reads and writes every byte once.
   data = jax.random.normal(keys[0], (2**22 if on_cpu else 2**29,), jnp.bfloat16)
-  copy_ms = time_ms(jax.jit(lambda v: v + 1), data, repeats=repeats)
+  copy_ms = median_ms(jax.jit(lambda v: v + 1), data, repeats=repeats, calls_per_repeat=3)
   return DeviceRates(matmul_flops_per_s=2 * size**3 / (matmul_ms * 1e-3),
                      copy_bytes_per_s=2 * data.nbytes / (copy_ms * 1e-3))
 
@@ -131,42 +94,25 @@ def roofline_ms(d: int, n: int, num_rows: int, num_kept: int, itemsize: int,
 # ---------------------------------------------------------------------------
 
 
-def dense_backward(x, kernel, bias, dy):
-  _, vjp = jax.vjp(lambda x_, k_, b_: x_ @ k_ + b_, x, kernel, bias)
-  return vjp(dy)
-
-
-def make_sparse_backward(backend: str, index_mode: str, case: "Case"):
-  """The backward as ``sebp_linear`` runs it (dW stored in the kernel's dtype by its matmul, db
-  cast from its float32 sum); ``"auto"`` resolves (possibly to the dense backward) with the
-  library's own :func:`choose_backend`, from the static shapes."""
-  top_n = case.num_kept
-  backend = choose_backend(backend, num_rows=case.num_rows, in_features=case.d,
-                           out_features=case.n, top_n=top_n,
-                           itemsize=jnp.dtype(case.dtype).itemsize,
-                           index_given=index_mode == "given")
-
-  def backward(x, kernel, dy, active_rows):
-    if backend == "dense":
-      return dense_backward_as_the_op(x, kernel, dy)
-    if active_rows is None:
-      active_rows = select_active_rows(dy, top_n, 0.0)
-    dx, dkernel, dbias = sparse_backward(x, kernel, dy, active_rows, with_bias=True,
-                                         precision=None, backend=backend,
-                                         dkernel_dtype=kernel.dtype)
-    return dx, dkernel, dbias.astype(dy.dtype)
-
-  if index_mode == "selected":
-    return lambda x, kernel, dy: backward(x, kernel, dy, None)
+def backward_of(forward):
+  """The backward of ``forward(x, kernel, bias)`` for dY, as ``jax.vjp`` computes it."""
+  def backward(x, kernel, bias, dy):
+    _, vjp = jax.vjp(forward, x, kernel, bias)
+    return vjp(dy)
   return backward
 
 
-def dense_backward_as_the_op(x, kernel, dy):
-  """The library's dense backward as ``sebp_linear`` runs it; on rows gathered beforehand,
-  the ``kept_matmuls`` variant."""
-  dx, dkernel, dbias = backends.dense_backward(x, kernel, dy, with_bias=True, precision=None,
-                                               dkernel_dtype=kernel.dtype)
-  return dx, dkernel, dbias.astype(dy.dtype)
+dense_backward = backward_of(lambda x, kernel, bias: x @ kernel + bias)
+
+
+def sebp_backward(backend: str, top_n: int):
+  """The backward of :func:`sebp_jax.sebp_linear`; the index is selected from dY when
+  ``active_rows`` is None."""
+  def backward(x, kernel, bias, dy, active_rows=None):
+    return backward_of(lambda x, kernel, bias: sebp_linear(
+        x, kernel, bias, top_n=top_n, backend=backend, active_rows=active_rows))(
+            x, kernel, bias, dy)
+  return backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +142,13 @@ def _variants(case: Case):
   rows = jax.ShapeDtypeStruct((case.num_kept,), jnp.int32)
   yield "dense", None, dense_backward, (x, kernel, bias, dy)
   for backend in SPARSE_BACKENDS:
-    for index_mode in INDEX_MODES:
-      fn = make_sparse_backward(backend, index_mode, case)
-      args = (x, kernel, dy) + ((rows,) if index_mode == "given" else ())
-      yield backend, index_mode, fn, args
+    fn = sebp_backward(backend, case.num_kept)
+    yield backend, "selected", fn, (x, kernel, bias, dy)
+    yield backend, "given", fn, (x, kernel, bias, dy, rows)
   x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
   dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
-  yield "kept_matmuls", "pregathered", dense_backward_as_the_op, (x_kept, kernel, dy_kept)
+  yield ("kept_matmuls", "pregathered", sebp_backward("dense", case.num_kept),
+         (x_kept, kernel, bias, dy_kept))
 
 
 def compile_all(cases, threads: int, input_sets: int):
@@ -246,34 +192,18 @@ def make_inputs(case: Case, seed: int = 0):
 # ---------------------------------------------------------------------------
 
 
-def _parse_shapes(text: str):
-  if text == "all":
-    return ALL_SHAPES
-  if text in SHAPES:
-    return SHAPES[text]
-  shapes = []
-  for item in text.split(","):
-    d, n = item.lower().split("x")
-    shapes.append((int(d), int(n)))
-  return shapes
-
-
-def _parse_ints(text: str):
-  return [int(v) for v in text.split(",")]
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(
       prog="python -m benchmarks.layer", description=__doc__.split("\n\n")[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="append one JSON object per measurement to this file")
-  parser.add_argument("--shapes", default="all",
+  parser.add_argument("--shapes", type=parse_shapes, default=ALL_SHAPES,
                       help="'all', 'bert-base', 'llama-3.2-1b/3b' or a comma list "
                            "of DxN (default: all)")
-  parser.add_argument("--tokens", type=_parse_ints, default=list(TOKENS),
+  parser.add_argument("--tokens", type=parse_positive_ints, default=list(TOKENS),
                       help="comma list of T (default: 4096,16384,65536)")
-  parser.add_argument("--kept", type=_parse_ints, default=list(KEPT_PERCENT),
+  parser.add_argument("--kept", type=parse_positive_ints, default=list(KEPT_PERCENT),
                       help="comma list of kept percentages (default: 5,10,20,50)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--repeats", type=int, default=20,
@@ -285,7 +215,7 @@ def main(argv=None):
 
   # T outermost, in the order given: an interrupted run has whole T sweeps.
   cases = [Case(d, n, t, kept, args.dtype)
-           for t in args.tokens for (d, n) in _parse_shapes(args.shapes)
+           for t in args.tokens for (d, n) in args.shapes
            for kept in args.kept]
   device = jax.devices()[0]
   print(f"device: {device.device_kind}, jax {jax.__version__}", file=sys.stderr)
@@ -294,44 +224,33 @@ def main(argv=None):
         f"copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s", file=sys.stderr)
   compiled = compile_all(cases, args.compile_threads, args.input_sets)
 
-  # Written as measured, so that an interrupted run keeps what it timed.
-  out = args.out.open("a") if args.out else None
   records = []
   for case in tqdm(cases, desc="time", file=sys.stderr):
     input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
     inputs = {
-        mode: [(x, kernel, bias, dy) if mode == "dense" else
-               (x, kernel, dy) if mode == "selected" else
-               (x, kernel, dy, active_rows) if mode == "given" else
-               (x[active_rows], kernel, dy[active_rows])
+        mode: [(x, kernel, bias, dy) if mode in ("dense", "selected") else
+               (x, kernel, bias, dy, active_rows) if mode == "given" else
+               (x[active_rows], kernel, bias, dy[active_rows])
                for x, kernel, bias, dy, active_rows in input_sets]
         for mode in ("dense", "selected", "given", "pregathered")}
     dense_ms = None
     for backend, mode, _, _ in _variants(case):
-      ms = time_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
-                   repeats=args.repeats, work_items=args.input_sets)
+      ms = median_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
+                     repeats=args.repeats, calls_per_repeat=3, work_items=args.input_sets)
       dense_ms = ms if backend == "dense" else dense_ms
       bound = roofline_ms(case.d, case.n,
                           case.num_kept if backend == "kept_matmuls" else case.num_rows,
                           case.num_rows if backend == "dense" else case.num_kept,
                           jnp.dtype(case.dtype).itemsize, rates,
                           selected=mode == "selected")
-      record = {
-          "shape": case.shape_name, "d_in": case.d, "d_out": case.n,
-          "tokens": case.num_rows, "kept_percent": case.kept_percent,
-          "dtype": case.dtype, "backend": backend, "index": mode,
-          "median_ms": ms, "speedup_over_dense": dense_ms / ms,
-          "roofline_ms": bound, "time_over_roofline": ms / bound,
-          "device": device.device_kind, "jax_version": jax.__version__,
-      }
-      records.append(record)
-      if out:
-        out.write(json.dumps(record) + "\n")
-        out.flush()
+      records.append(record(
+          shape=case.shape_name, d_in=case.d, d_out=case.n, tokens=case.num_rows,
+          kept_percent=case.kept_percent, dtype=case.dtype, backend=backend, index=mode,
+          median_ms=ms, speedup_over_dense=dense_ms / ms, roofline_ms=bound,
+          time_over_roofline=ms / bound))
+      # Written as measured, so that an interrupted run keeps what it timed.
+      append_json_lines(args.out, records[-1:])
     del input_sets, inputs
-
-  if out:
-    out.close()
   print_table(records)
 
 

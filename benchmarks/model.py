@@ -1,7 +1,7 @@
 """Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama.
 
-Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``, tokenized from
-the shared SST-2 and WikiText-2 data), bf16 compute. Side by side in one run, for each mode:
+Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
+of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one run, for each mode:
 forward, backward (forward + backward minus forward) and a whole AdamW step (median of
 ``--repeats``), and the peak device memory of the compiled step (XLA's memory analysis:
 arguments + outputs + temporaries - aliased).
@@ -32,10 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -45,7 +45,7 @@ import optax
 from jax import lax
 from tqdm import tqdm
 
-from benchmarks.records import append_json_lines
+from benchmarks.harness import append_json_lines, median_ms, parse_subset, record
 from sebp_jax import use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
 
@@ -190,17 +190,6 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
   return loss_fn
 
 
-def median_ms(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * float(np.median(times))
-
-
 def peak_bytes(compiled) -> int | None:
   analysis = compiled.memory_analysis()
   if analysis is None:
@@ -231,18 +220,15 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
 
     forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
     compiled_step = jax.jit(step).lower(params, opt_state, mode_batch).compile()
-    forward_ms = median_ms(forward, (params, mode_batch), repeats)
-    grad_ms = median_ms(grad, (params, mode_batch), repeats)
-    step_ms = median_ms(compiled_step, (params, opt_state, mode_batch), repeats)
-    rows.append({
-        "model": kind, "setup": setup.name, "mode": mode, "tiny": tiny,
-        "batch_size": setup.batch_size, "padded_length": mode_batch["input_ids"].shape[1],
-        "real_tokens": top_n, "rows": int(mode_batch["input_ids"].size),
-        "forward_ms": forward_ms, "backward_ms": grad_ms - forward_ms, "step_ms": step_ms,
-        "peak_bytes": peak_bytes(compiled_step), "device": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__, "compute_dtype": "bfloat16", "repeats": repeats,
-        "backend": backend,
-    })
+    forward_ms = median_ms(forward, params, mode_batch, repeats=repeats)
+    grad_ms = median_ms(grad, params, mode_batch, repeats=repeats)
+    step_ms = median_ms(compiled_step, params, opt_state, mode_batch, repeats=repeats)
+    rows.append(record(
+        model=kind, setup=setup.name, mode=mode, tiny=tiny, batch_size=setup.batch_size,
+        padded_length=mode_batch["input_ids"].shape[1], real_tokens=top_n,
+        rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms,
+        backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
+        compute_dtype="bfloat16", repeats=repeats, backend=backend))
   dense = next((r for r in rows if r["mode"] == "dense"), None)
   for row in rows:
     if dense:
@@ -272,19 +258,16 @@ def main(argv=None) -> list[dict]:
                                    epilog=__doc__.split("\n\n", 1)[1])
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="model(s) to run (default: all)")
-  parser.add_argument("--modes", default=",".join(MODES),
-                      help=f"comma-separated subset of {','.join(MODES)}")
-  parser.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
+  parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
+                      default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas", "dense"),
                       help="SEBP backend of the sebp_* modes")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
-  modes = [m for m in args.modes.split(",") if m]
-  unknown = sorted(set(modes) - set(MODES))
-  if unknown:
-    parser.error(f"--modes: unknown {unknown}; choose from {MODES}")
+  modes = args.modes
   if args.repeats <= 0:
     parser.error("--repeats must be positive")
   rows = []

@@ -15,14 +15,13 @@ ranked), it times
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.records import append_json_lines
+from benchmarks.harness import append_json_lines, median_ms, parse_positive_ints, record
 from sebp_jax.selection import row_scores, select_active_rows
 
 
@@ -42,28 +41,20 @@ VARIANTS = {"library": select_active_rows, "top_k_only": top_k_only,
             "scores_only": scores_only}
 
 
-def median_ms(fn, arg, repeats):
-  jax.block_until_ready(fn(arg))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(arg))
-    times.append(time.perf_counter() - start)
-  return 1e3 * float(np.median(times))
-
-
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--tokens", default="16384,65536")
-  parser.add_argument("--widths", default="768,2048,8192")
-  parser.add_argument("--kept", type=float, default=0.2)
-  parser.add_argument("--repeats", type=int, default=50)
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--tokens", type=parse_positive_ints, default=[16384, 65536],
+                      help="comma list of T")
+  parser.add_argument("--widths", type=parse_positive_ints, default=[768, 2048, 8192],
+                      help="comma list of N, the width of dY")
+  parser.add_argument("--kept", type=float, default=0.2, help="top_n as a fraction of T")
+  parser.add_argument("--repeats", type=int, default=50, help="timed repeats; the median")
+  parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   records = []
   print(f"{'T':>6} {'N':>5} {'regime':8} " + " ".join(f"{v:>12}" for v in VARIANTS))
-  for num_rows in map(int, args.tokens.split(",")):
-    for width in map(int, args.widths.split(",")):
+  for num_rows in args.tokens:
+    for width in args.widths:
       top_n = int(num_rows * args.kept)
       rng = np.random.default_rng(0)
       dy = rng.standard_normal((num_rows, width), dtype=np.float32)
@@ -74,11 +65,10 @@ def main(argv=None):
         data = jnp.asarray(data, jnp.bfloat16)
         times = {}
         for name, fn in VARIANTS.items():
-          times[name] = median_ms(jax.jit(lambda a, fn=fn: fn(a, top_n)), data, args.repeats)
-          records.append({"T": num_rows, "N": width, "top_n": top_n, "regime": regime,
-                          "variant": name, "median_ms": times[name],
-                          "device": jax.devices()[0].device_kind,
-                          "jax_version": jax.__version__})
+          times[name] = median_ms(jax.jit(lambda a, fn=fn: fn(a, top_n)), data,
+                                  repeats=args.repeats, warmup=1)
+          records.append(record(T=num_rows, N=width, top_n=top_n, regime=regime, variant=name,
+                                median_ms=times[name]))
         print(f"{num_rows:6d} {width:5d} {regime:8} "
               + " ".join(f"{times[v]:12.4f}" for v in VARIANTS))
   append_json_lines(args.out, records)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
 import pathlib
 import sys
 
@@ -21,8 +20,9 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from benchmarks.layer import (Case, _parse_shapes, make_inputs,
-                              over_input_sets, time_ms)
+from benchmarks.harness import (ALL_SHAPES, append_json_lines, median_ms, over_input_sets,
+                                parse_shapes, parse_subset, record)
+from benchmarks.layer import Case, make_inputs
 from pallas_kernels import BlockSizes, gathered_dw_db, gathered_dx
 
 # BlockSizes(block_rows, block_d, block_n, split_rows, num_warps, num_stages).
@@ -77,13 +77,12 @@ def _kernels(case: Case, kernels: tuple[str, ...]):
   interpret = jax.default_backend() == "cpu"  # CPU: a smoke test only.
   if "dx" in kernels:
     for blocks in DX_CANDIDATES:
-      # Kept rows only, as sebp_jax.backends calls the kernel.
       fn = lambda dy_, k_, r_, b=blocks: gathered_dx(
-          dy_, k_, r_, kept_rows_only=True, block_sizes=b, interpret=interpret)
+          dy_, k_, r_, block_sizes=b, interpret=interpret)
       yield "dx", blocks, fn, (dy, kernel, rows)
   if "dw" in kernels:
     for blocks in DW_CANDIDATES:
-      # float32 stores, as sebp_jax.backends calls the kernel for float32 parameters.
+      # float32 stores, as the pallas implementation asks for float32 parameters.
       fn = lambda x_, dy_, r_, b=blocks: gathered_dw_db(
           x_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
           block_sizes=b, interpret=interpret)
@@ -92,10 +91,7 @@ def _kernels(case: Case, kernels: tuple[str, ...]):
 
 def _parse_kernels(text: str) -> tuple[str, ...]:
   """``--kernels``: a comma-separated subset of dx,dw, each named once, in sweep order."""
-  names = text.split(",")
-  if not set(names) <= {"dx", "dw"} or len(set(names)) != len(names):
-    raise argparse.ArgumentTypeError(
-        f"--kernels must name dx and/or dw, each once, got {text!r}")
+  names = parse_subset(text, ("dx", "dw"))
   return tuple(name for name in ("dx", "dw") if name in names)
 
 
@@ -105,21 +101,22 @@ def main(argv=None):
       description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="append one JSON object per measurement")
-  parser.add_argument("--shapes", default="all",
+  parser.add_argument("--shapes", type=parse_shapes, default=ALL_SHAPES,
                       help="as in benchmarks.layer (default: all)")
   parser.add_argument("--kernels", type=_parse_kernels, default=("dx", "dw"),
                       help="comma-separated subset of dx,dw to sweep (default: both)")
-  parser.add_argument("--tokens", type=int, default=16384)
+  parser.add_argument("--tokens", type=int, default=16384, help="T, rows of dY")
   parser.add_argument("--kept", type=int, default=20, help="kept percent")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--dtype", default="bfloat16", help="dtype of x, W and dY")
+  parser.add_argument("--repeats", type=int, default=20, help="timed repeats; the median")
   parser.add_argument("--input-sets", type=int, default=4,
                       help="distinct random inputs evaluated per timed call")
-  parser.add_argument("--compile-threads", type=int, default=8)
+  parser.add_argument("--compile-threads", type=int, default=8,
+                      help="threads compiling the candidates ahead of timing")
   args = parser.parse_args(argv)
 
   cases = [Case(d, n, args.tokens, args.kept, args.dtype)
-           for d, n in _parse_shapes(args.shapes)]
+           for d, n in args.shapes]
   jobs = [(case, *job) for case in cases for job in _kernels(case, args.kernels)]
 
   def compile_one(job):
@@ -135,7 +132,6 @@ def main(argv=None):
     compiled = list(tqdm(pool.map(compile_one, jobs), total=len(jobs),
                          desc="compile", file=sys.stderr))
 
-  device = jax.devices()[0].device_kind
   records = []
   for case in tqdm(cases, desc="time", file=sys.stderr):
     input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
@@ -145,19 +141,14 @@ def main(argv=None):
                                                                    compiled):
       if job_case != case:
         continue
-      ms = (time_ms(executable, *inputs[name], repeats=args.repeats,
-                    work_items=args.input_sets)
+      ms = (median_ms(executable, *inputs[name], repeats=args.repeats, calls_per_repeat=3,
+                      work_items=args.input_sets)
             if executable is not None else None)
-      records.append({"shape": case.shape_name, "tokens": case.num_rows,
-                      "kept_percent": case.kept_percent, "dtype": case.dtype,
-                      "kernel": name, "blocks": dataclasses.asdict(blocks),
-                      "median_ms": ms, "error": error, "device": device,
-                      "jax_version": jax.__version__})
+      records.append(record(shape=case.shape_name, tokens=case.num_rows,
+                            kept_percent=case.kept_percent, dtype=case.dtype, kernel=name,
+                            blocks=dataclasses.asdict(blocks), median_ms=ms, error=error))
 
-  if args.out:
-    with args.out.open("a") as out:
-      for record in records:
-        out.write(json.dumps(record) + "\n")
+  append_json_lines(args.out, records)
   print(f"{'shape':>10} {'kernel':>6} {'best ms':>8} {'worst ms':>8}  best blocks")
   for case in cases:
     for name in args.kernels:

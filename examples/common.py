@@ -7,7 +7,6 @@ import contextlib
 import json
 import pathlib
 import sys
-import time
 from typing import Callable, Iterable
 
 import jax
@@ -15,29 +14,37 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from benchmarks.harness import median_ms
+from examples.datasets import DATA_DIR
 from sebp_jax import use_sebp
 
 LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
 
 
-def parse_training_args(doc: str, argv, *, steps: int, batch_size: int, max_length: int,
-                        learning_rate: float, weight_decay: float, timing_repeats: int,
-                        out: str, extra=None) -> argparse.Namespace:
-  """The command line both examples share (defaults per example); ``extra(parser)`` adds more.
-  Every count must be positive."""
-  parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
+                        max_length: int, learning_rate: float, weight_decay: float,
+                        timing_repeats: int, out: str, extra=None) -> argparse.Namespace:
+  """The command line both examples share (defaults per example) of the example run as
+  ``python -m module``; ``extra(parser)`` adds more. Every count must be positive."""
+  parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
-  parser.add_argument("--batch-size", type=int, default=batch_size)
-  parser.add_argument("--max-length", type=int, default=max_length, help="fixed padded length")
-  parser.add_argument("--learning-rate", type=float, default=learning_rate)
-  parser.add_argument("--weight-decay", type=float, default=weight_decay)
+  parser.add_argument("--batch-size", type=int, default=batch_size,
+                      help="sequences per training step")
+  parser.add_argument("--max-length", type=int, default=max_length,
+                      help="tokens per sequence: truncated or right-padded to it")
+  parser.add_argument("--learning-rate", type=float, default=learning_rate,
+                      help="AdamW learning rate (its peak where the example schedules it)")
+  parser.add_argument("--weight-decay", type=float, default=weight_decay,
+                      help="AdamW weight decay")
   parser.add_argument("--timing-repeats", type=int, default=timing_repeats,
                       help="repeats of the side-by-side forward/backward timing")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--data-dir", default=None,
-                      help="folder holding sst2/ and wikitext2/ (default: found shared/data)")
-  parser.add_argument("--out", default=out, help="folder for the plot and summary")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the data order and of any newly initialised weights")
+  parser.add_argument("--data-dir", type=pathlib.Path, default=DATA_DIR,
+                      help="folder holding sst2/ and wikitext2/")
+  parser.add_argument("--out", type=pathlib.Path, default=out,
+                      help="folder for the plot and summary.json")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
@@ -76,51 +83,44 @@ def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],
   return params, losses
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def time_forward_backward(loss_fns: dict[str, LossFn], params: dict, batch: dict,
                           repeats: int) -> dict[str, dict[str, float]]:
-  """Median seconds of the jitted forward and forward + backward of each loss, on one batch.
+  """Median milliseconds of the jitted forward and forward + backward of each loss, on one batch.
 
-  The backward is their difference. Every function is compiled and run once before timing.
+  The backward is their difference. ``median_ms``'s warm-up calls absorb the compilation.
   """
-  timings = {}
-  for mode, loss_fn in loss_fns.items():
-    forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
-    jax.block_until_ready((forward(params, batch), grad(params, batch)))
-    forward_s = _median_seconds(lambda: forward(params, batch), repeats)
-    grad_s = _median_seconds(lambda: grad(params, batch), repeats)
-    timings[mode] = {"forward_s": forward_s, "forward_backward_s": grad_s,
-                     "backward_s": max(grad_s - forward_s, 1e-9)}
+  stages = [(mode, stage, jax.jit(fn)) for mode, loss_fn in loss_fns.items()
+            for stage, fn in (("forward", loss_fn), ("forward_backward", jax.grad(loss_fn)))]
+  timings = {mode: {} for mode in loss_fns}
+  progress = tqdm(stages, desc="timing", unit="stage", file=sys.stdout)
+  for mode, stage, fn in progress:
+    progress.set_postfix_str(f"{mode} {stage.replace('_', ' + ')}")
+    timings[mode][f"{stage}_ms"] = median_ms(fn, params, batch, repeats=repeats)
+  for timing in timings.values():
+    timing["backward_ms"] = max(timing["forward_backward_ms"] - timing["forward_ms"], 1e-6)
   return timings
 
 
 def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], title: str,
                      path: pathlib.Path, window: int = 10) -> None:
-  """Raw (faint) and moving-average (solid/dashed) training loss of each run."""
+  """Each run's training loss per step (faint) and its ``window``-step moving average (bold)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  window = max(1, min([window, *map(len, losses.values())]))
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, (mode, curve) in enumerate(losses.items()):
     curve = np.asarray(curve)
-    window_used = max(1, min(window, len(curve)))
-    smooth = np.convolve(curve, np.ones(window_used) / window_used, mode="valid")
-    ax.plot(curve, alpha=0.25, color=f"C{i}")
-    ax.plot(np.arange(window_used - 1, len(curve)), smooth, color=f"C{i}",
+    smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
+    ax.plot(curve, alpha=0.25, linewidth=1, color=f"C{i}")
+    ax.plot(np.arange(window - 1, len(curve)), smooth, color=f"C{i}", linewidth=2.5,
             linestyle="-" if i == 0 else "--", label=labels[mode])
   ax.set_xlabel("step")
   ax.set_ylabel("training loss")
   ax.set_title(title, fontsize=10)
-  ax.legend()
+  ax.legend(title=f"bold: {window}-step moving average; faint: loss per step",
+            title_fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -128,11 +128,18 @@ def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], tit
 
 def backward_speedup(timings: dict[str, dict[str, float]], repeats: int) -> float:
   """Prints and returns dense / SEBP backward time from :func:`time_forward_backward`."""
-  ratio = timings["dense"]["backward_s"] / timings["sebp"]["backward_s"]
-  step = timings["dense"]["forward_backward_s"] / timings["sebp"]["forward_backward_s"]
+  ratio = timings["dense"]["backward_ms"] / timings["sebp"]["backward_ms"]
+  step = timings["dense"]["forward_backward_ms"] / timings["sebp"]["forward_backward_ms"]
   print(f"backward time, dense / SEBP: {ratio:.2f}x (forward + backward: {step:.2f}x; "
         f"{jax.devices()[0].device_kind}, median of {repeats})")
   return ratio
+
+
+def max_loss_difference(losses: dict[str, list[float]]) -> float:
+  """Prints and returns the largest per-step difference between the dense and SEBP losses."""
+  difference = max(abs(a - b) for a, b in zip(losses["dense"], losses["sebp"]))
+  print(f"largest per-step loss difference, dense vs SEBP: {difference:.2e}")
+  return difference
 
 
 def save_run(out: pathlib.Path, summary: dict, labels: dict[str, str], title: str) -> None:

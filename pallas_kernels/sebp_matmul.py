@@ -5,15 +5,15 @@ The SEBP backward keeps only the rows of ``dy: [T, N]`` listed in
 ``active_rows: int32[K]`` (sorted ascending, padded at the end with the
 out-of-range sentinel ``T``) and computes
 
-  dx[r]  = dy[r] @ kernel.T   for r in active_rows, every other row of dx = 0
-  dW     = sum_r x[r].T @ dy[r]
-  db     = sum_r dy[r]
+  dx_kept[k] = dy[active_rows[k]] @ kernel.T   (0 in sentinel slots)
+  dW         = sum_r x[r].T @ dy[r]
+  db         = sum_r dy[r]
 
 The kernels gather the selected rows straight from ``dy`` / ``x`` in device
 memory (integer-array indexers on the leading dimension of whole-array refs),
-so no gathered copy of either is ever materialised. dx comes either as all
-``T`` rows (the kernel writes the zeros too) or as the ``K`` kept rows alone,
-for a caller that spreads them where they are consumed.
+so no gathered copy of either is ever materialised. dx comes as the ``K`` kept
+rows in slot order: the caller spreads them to their ``T`` rows where dx is
+consumed, which fuses there instead of costing a pass over zero rows.
 
 They target the Pallas Triton backend (selected through
 ``plgpu.CompilerParams``); since jax 0.11 that backend is deprecated, which is
@@ -70,18 +70,14 @@ class BlockSizes:
       raise ValueError(f"split_rows={self.split_rows} must be >= 1")
 
 
-# Defaults measured on an NVIDIA H200 with jax 0.11.2 (bf16, T=16384, 20% of
-# rows kept, bert-base and Llama-3.2 layer shapes; benchmarks/tune_blocks.py,
-# results in benchmarks/RESULTS.md), checked on an H100 with the kept-rows dX.
+# Default tiles per layer-shape class, for 2-byte operands (benchmarks/tune_blocks.py
+# searches them).
 # dx is keyed by its reduction length N, then its width D: long reductions
 # amortise a wide tile, unless D is too narrow to give every SM tiles of it.
 # dW is keyed by its tile count D * N: small layers split the row reduction to
 # occupy every SM. dW loads each step's row indices inside its loop, and that
-# indirect load takes pipeline stages of its own: by the shared memory XLA
-# reports for the large class, num_stages=5 holds 3 tiles on an H100 (2 on an
-# A100) where 4 held 2 (1), and it was 1.15-1.21x faster on the four large
-# Llama shapes; the mid class (3 stages before) gained 1.05x on 2048x2048
-# (H100, benchmarks/RESULTS.md session 7).
+# indirect load takes pipeline stages of its own, so dW needs deeper pipelines
+# than dx.
 _DX_DEFAULTS = (  # (smallest N, smallest D, blocks)
     (2048, 2048, BlockSizes(block_rows=128, block_d=256, block_n=64,
                             num_warps=8, num_stages=3)),
@@ -102,7 +98,7 @@ _DW_DEFAULTS = (  # (smallest D * N, blocks)
 
 def default_block_sizes(kernel: str, d: int, n: int,
                         dtype=jnp.bfloat16) -> BlockSizes:
-  """Measured default tiles for ``kernel`` ("dx" or "dw") at ``D=d, N=n``.
+  """Default tiles for ``kernel`` ("dx" or "dw") at ``D=d, N=n``.
 
   The table is for 2-byte operands; for 4-byte ones the reduction step is
   halved so the pipelined shared-memory buffers stay within an sm_80's
@@ -174,8 +170,7 @@ def _lower_bound(active_rows_ref, values):
   ``active_rows`` holding a row >= it (K if none).
 
   A branch-free binary search (bit_length(K) steps of one gather each), so
-  neither a row mask nor the count of selected rows has to be made by
-  separate XLA ops before the launch.
+  the count of selected rows needs no separate XLA op before the launch.
   """
   num_slots = active_rows_ref.shape[0]
   lo = jnp.zeros_like(values)
@@ -194,9 +189,8 @@ def _gathered_dx_kernel(
     active_rows_ref,  # int32[K], K >= 1
     dy_ref,  # [T, N]
     kernel_ref,  # [D, N]
-    dx_ref,  # [T, D], or [K, D] with kept_rows_only (output)
-    *, num_compute_blocks: int, kept_rows_only: bool, block_sizes: BlockSizes,
-    compute_dtype, precision):
+    dx_ref,  # [K, D] (output)
+    *, block_sizes: BlockSizes, compute_dtype, precision):
   num_rows, n = dy_ref.shape
   d = kernel_ref.shape[0]
   num_slots = active_rows_ref.shape[0]
@@ -205,18 +199,15 @@ def _gathered_dx_kernel(
   d_block, row_block = pl.program_id(0), pl.program_id(1)
   d_idx = d_block * block_d + _iota(block_d)
   d_in = d_idx < d
-
-  # Programs [0, num_compute_blocks) compute the selected rows; with all T rows
-  # out, the rest write zeros to the unselected rows, so dx is produced by one
-  # launch with no zero-filled buffer written first.
-  first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
-                                          num_slots - 1)]
-  is_compute_block = row_block < num_compute_blocks
   slots = row_block * block_rows + _iota(block_rows)
+  out_mask = (slots < num_slots)[:, None] & d_in[None, :]
 
   # Rows are sorted with sentinels last, so a block is all padding iff its
-  # first row is the sentinel: skip the whole N loop.
-  @pl.when(is_compute_block & (first_row < num_rows))
+  # first row is the sentinel: it skips the whole N loop and stores zeros.
+  first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
+                                          num_slots - 1)]
+
+  @pl.when(first_row < num_rows)
   def _compute():
     rows = _load_rows(active_rows_ref, row_block * block_rows, block_rows,
                       sentinel=num_rows)
@@ -237,34 +228,15 @@ def _gathered_dx_kernel(
 
     acc = lax.fori_loop(0, pl.cdiv(n, block_n), body,
                         jnp.zeros((block_rows, block_d), jnp.float32))
-    if kept_rows_only:
-      # Sentinel slots get exact zeros (their zero rows times an Inf would be NaN).
-      plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
-                  jnp.where(row_in[:, None], acc, 0.0).astype(dx_ref.dtype),
-                  mask=(slots < num_slots)[:, None] & d_in[None, :])
-    else:
-      plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
-                  acc.astype(dx_ref.dtype),
-                  mask=row_in[:, None] & d_in[None, :])
+    # Sentinel slots get exact zeros (their zero rows times an Inf would be NaN).
+    plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
+                jnp.where(row_in[:, None], acc, 0.0).astype(dx_ref.dtype),
+                mask=out_mask)
 
-  if kept_rows_only:
-    @pl.when(first_row >= num_rows)
-    def _zero_padding_slots():
-      plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
-                  jnp.zeros((block_rows, block_d), dx_ref.dtype),
-                  mask=(slots < num_slots)[:, None] & d_in[None, :])
-    return
-
-  @pl.when(jnp.logical_not(is_compute_block))
-  def _zero_fill():
-    rows = (row_block - num_compute_blocks) * block_rows + _iota(block_rows)
-    slot = _lower_bound(active_rows_ref, rows)
-    at_slot = plgpu.load(
-        active_rows_ref.at[jnp.minimum(slot, num_slots - 1)])
-    unselected = (rows < num_rows) & ((slot >= num_slots) | (at_slot != rows))
-    plgpu.store(dx_ref.at[rows[:, None], d_idx[None, :]],
-                jnp.zeros((block_rows, block_d), dx_ref.dtype),
-                mask=unselected[:, None] & d_in[None, :])
+  @pl.when(first_row >= num_rows)
+  def _zero_padding_slots():
+    plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
+                jnp.zeros((block_rows, block_d), dx_ref.dtype), mask=out_mask)
 
 
 def _gathered_dw_db_kernel(
@@ -363,30 +335,25 @@ def _compiler_params(block_sizes: BlockSizes):
                               num_stages=block_sizes.num_stages)
 
 
-def _gathered_dx_call(dy, kernel, active_rows, *, kept_rows_only: bool,
-                      block_sizes: BlockSizes, interpret: bool, precision):
-  num_rows = dy.shape[0]
-  d = kernel.shape[0]
-  active_rows = _at_least_one_slot(active_rows, num_rows)
+def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
+                      interpret: bool, precision):
+  # K >= 1 here: gathered_dx answers an empty index itself.
+  active_rows = active_rows.astype(jnp.int32)
   num_slots = active_rows.shape[0]
-  num_compute_blocks = pl.cdiv(num_slots, block_sizes.block_rows)
-  num_row_blocks = num_compute_blocks + (
-      0 if kept_rows_only else pl.cdiv(num_rows, block_sizes.block_rows))
-  # D blocks vary fastest: programs running together share one gathered block
-  # of dy rows through L2 (measured faster than sweeping the rows fastest
-  # even where the kernel is the larger operand).
-  grid = (pl.cdiv(d, block_sizes.block_d), num_row_blocks)
+  d = kernel.shape[0]
+  # D blocks vary fastest, also where the kernel is the larger operand:
+  # programs running together then share one gathered block of dy rows
+  # through L2.
+  grid = (pl.cdiv(d, block_sizes.block_d),
+          pl.cdiv(num_slots, block_sizes.block_rows))
   compute_dtype = jnp.promote_types(dy.dtype, kernel.dtype)
   body = functools.partial(
-      _gathered_dx_kernel, num_compute_blocks=num_compute_blocks,
-      kept_rows_only=kept_rows_only, block_sizes=block_sizes,
-      compute_dtype=compute_dtype,
+      _gathered_dx_kernel, block_sizes=block_sizes, compute_dtype=compute_dtype,
       precision=_dot_precision(precision, dy.dtype, kernel.dtype))
   return pl.pallas_call(
       body,
       grid=grid,
-      out_shape=jax.ShapeDtypeStruct(
-          (num_slots if kept_rows_only else num_rows, d), dy.dtype),
+      out_shape=jax.ShapeDtypeStruct((num_slots, d), dy.dtype),
       compiler_params=_compiler_params(block_sizes),
       interpret=interpret,
       name="sebp_gathered_dx",
@@ -446,49 +413,44 @@ def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("kept_rows_only", "block_sizes", "interpret", "precision"))
+    jax.jit, static_argnames=("block_sizes", "interpret", "precision"))
 def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
-                kept_rows_only: bool = False,
                 block_sizes: BlockSizes | None = None, interpret: bool = False,
                 precision=None) -> jax.Array:
-  """dx for the selected rows of dy, zero elsewhere.
+  """dx for the selected rows of dy, as the ``K`` kept rows in slot order.
+
+  The caller places them at their rows (a gather through the inverse index
+  fuses into dx's consumer, where zero rows written here would be a pass of
+  their own).
 
   Args:
     dy: ``[T, N]`` output cotangent.
     kernel: ``[D, N]`` layer weight.
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
-      end with the sentinel ``T``; sentinel slots are ignored.
-    kept_rows_only: return the ``K`` computed rows in slot order instead of
-      all ``T`` rows; the caller places them (a gather through the inverse
-      index fuses into dx's consumer, where the zero rows written here would
-      be a pass of their own).
-    block_sizes: tiles and launch parameters; default from the measured table.
+      end with the sentinel ``T``.
+    block_sizes: tiles and launch parameters; default from
+      ``default_block_sizes``.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
 
   Returns:
-    In ``dy.dtype``, with ``dy[r] @ kernel.T`` (float32 accumulation) for every
-    selected row ``r``: ``[T, D]`` with row ``r`` there and exactly 0 in every
-    other row, or with ``kept_rows_only`` ``[K, D]`` with it in slot ``k``
-    (``active_rows[k] == r``) and exactly 0 in sentinel slots.
+    ``[K, D]`` in ``dy.dtype``: slot ``k`` holds ``dy[active_rows[k]] @
+    kernel.T`` (float32 accumulation), sentinel slots hold exactly 0.
   """
   num_rows, n = dy.shape
   d, kernel_n = kernel.shape
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
   _check_operand_dtypes(dy=dy, kernel=kernel)
-  if kept_rows_only and active_rows.shape[0] == 0:
+  if active_rows.shape[0] == 0:
     return jnp.zeros((0, d), dy.dtype)
   block_sizes = block_sizes or default_block_sizes(
       "dx", d, n, jnp.promote_types(dy.dtype, kernel.dtype))
   block_sizes = dataclasses.replace(
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
-  return _gathered_dx_call(dy, kernel, active_rows,
-                           kept_rows_only=kept_rows_only,
-                           block_sizes=block_sizes, interpret=interpret,
-                           precision=precision)
+  return _gathered_dx_call(dy, kernel, active_rows, block_sizes=block_sizes,
+                           interpret=interpret, precision=precision)
 
 
 @functools.partial(
@@ -515,7 +477,8 @@ def gathered_dw_db(
       stored straight from the float32 sums: a caller that wants the sums in
       float32, or in a parameter dtype other than the operands', gets them
       rounded once and without a second pass.
-    block_sizes: tiles and launch parameters; default from the measured table.
+    block_sizes: tiles and launch parameters; default from
+      ``default_block_sizes``.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
 
@@ -545,16 +508,13 @@ def gathered_dw_db(
 # ---------------------------------------------------------------------------
 
 
-def gathered_dx_reference(dy, kernel, active_rows, *, kept_rows_only=False):
-  """Reference for ``gathered_dx``: ``[T, D]`` (or ``[K, D]``) in ``dy.dtype``."""
-  num_rows = dy.shape[0]
+def gathered_dx_reference(dy, kernel, active_rows):
+  """Reference for ``gathered_dx``: the kept rows ``[K, D]`` in ``dy.dtype``."""
   rows = dy.at[active_rows].get(mode="fill", fill_value=0)
   dx_rows = jnp.dot(rows, kernel.T, precision=lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32)
-  if kept_rows_only:
-    return dx_rows.astype(dy.dtype)
-  dx = jnp.zeros((num_rows, kernel.shape[0]), jnp.float32)
-  return dx.at[active_rows].set(dx_rows, mode="drop").astype(dy.dtype)
+  is_row = (active_rows < dy.shape[0])[:, None]
+  return jnp.where(is_row, dx_rows, 0).astype(dy.dtype)
 
 
 def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool,

@@ -2,26 +2,30 @@
 
 The forward of every linear layer stays dense and exact; its backward keeps only the top-N rows
 of the output gradient (padding rows are zero), cutting the backward FLOPs to N/T.
+
+Layout: :mod:`~sebp_jax.selection` (which rows) -> :mod:`~sebp_jax.implementations` (dense,
+xla, pallas, by name) and :mod:`~sebp_jax.cost_model` (which one) -> :mod:`~sebp_jax.backward`
+(the one entry point) -> :mod:`~sebp_jax.ops` (the custom-VJP ops) -> :mod:`~sebp_jax.layers`
+and :mod:`~sebp_jax.intercept` (Linen).
 """
 
-from sebp_jax.backends import sparse_backward
-from sebp_jax.embedding import SEBPEmbed, sebp_embed_lookup
+from sebp_jax.implementations import register_implementation
 from sebp_jax.intercept import SEBPReport, use_sebp
-from sebp_jax.layers import SEBPDense, resolve_top_n
-from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_linear
+from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n
+from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_embed_lookup, sebp_linear
 from sebp_jax.selection import active_rows_from_mask, row_scores, select_active_rows
 
 __all__ = [
     "SEBPDense",
     "SEBPEmbed",
+    "SEBPReport",
     "SEBP_CHECKPOINT_NAME",
     "active_rows_from_mask",
+    "register_implementation",
     "resolve_top_n",
     "row_scores",
     "select_active_rows",
     "sebp_embed_lookup",
     "sebp_linear",
-    "sparse_backward",
-    "SEBPReport",
     "use_sebp",
 ]

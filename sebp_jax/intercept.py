@@ -24,24 +24,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sebp_jax.embedding import SEBPEmbed, sebp_embed_call
-from sebp_jax.layers import SEBPDense, resolve_top_n, sebp_dense_call
+from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n, sebp_dense_call, sebp_embed_call
 from sebp_jax.ops import validate_backend, validate_threshold
 from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
 
-#: The layers the SEBP paper swaps: attention projections and MLP layers of BERT-style
-#: (query/key/value/dense) and Llama-style (q/k/v/o/gate/up/down_proj) models.
-DEFAULT_INCLUDE = r"(^|/)(query|key|value|dense|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+#: Every Dense layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
+#: the attention projections and MLP layers, the layers the SEBP paper swaps.
+DEFAULT_INCLUDE = r".*"
 #: Language-model heads: the Dense layers under a path component ``lm_head`` (Llama, Mistral,
 #: RoBERTa) or ``cls/predictions`` (BERT). They see every token, and under a loss masked on
 #: padding their dY rows of padding are exactly zero, but the paper leaves them dense;
 #: ``use_sebp(lm_head=True)`` swaps them.
 LM_HEAD = r"(^|/)(lm_head|cls/predictions)(/|$)"
 _LM_HEAD = re.compile(LM_HEAD)
-#: Poolers and classification heads see one row per sequence: there are no rows to skip.
-#: Language-model heads are left dense too unless ``lm_head=True``.
+#: Poolers and classification heads by their names in transformers' models: they see one row
+#: per sequence, so there are no rows to skip. Language-model heads are left dense too unless
+#: ``lm_head=True``.
 DEFAULT_EXCLUDE = rf"(^|/)(pooler|classifier|score|qa_outputs)(/|$)|{LM_HEAD}"
 
 
@@ -92,15 +92,17 @@ class use_sebp:
       for a kept fraction of that layer's rows. Choose it to cover the real (non-padding)
       tokens of the largest batch: with ``active_mask`` the count of ones in the mask.
     threshold: rows of dY whose max ``|value|`` is at most this count as zero.
-    include: regex over the module path (``"bert/encoder/layer/0/attention/self/query"``); a
-      Dense layer is swapped when it matches ``include`` and not ``exclude``. Subclasses of
-      ``nn.Dense`` / ``nn.Embed`` with their own ``__call__`` are always left alone.
-    exclude: regex of paths left dense; default: poolers and classification / LM heads.
+    include: regex searched in the module path (``"bert/encoder/layer/0/attention/self/query"``,
+      ``"Dense_0"``); a Dense layer is swapped when it matches ``include`` and not ``exclude``.
+      Default: every Dense layer. Subclasses of ``nn.Dense`` / ``nn.Embed`` with their own
+      ``__call__`` are always left alone.
+    exclude: regex of paths left dense; default: poolers and classification / LM heads named
+      as in transformers' models. Name your own model's head in it (or give the head a name
+      that matches) when the head sees one row per sequence.
     lm_head: also swap the language-model head's Dense layers (paths matching
       :data:`LM_HEAD`), whatever ``include`` and ``exclude`` say. Exact with ``active_mask``
       when the loss is masked on padding (:func:`sebp_jax.losses.masked_causal_lm_loss`), and
-      the head is a large layer: in Llama-3.2-1B (vocabulary 128256) it is 21% of the linear
-      layers' FLOPs, in SmolLM2-135M 21%. A head that a model applies through ``.apply`` with
+      the head is a large layer (a fifth of the linear FLOPs of Llama-3.2-1B). A head that a model applies through ``.apply`` with
       the embedding's weights (tied GPT-2, a tied BERT/RoBERTa MLM decoder) is a module of its
       own with no path (``"<root>"`` in the report) and is not covered; Flax Llama has its own
       ``lm_head`` even when the checkpoint ties it.
@@ -116,8 +118,9 @@ class use_sebp:
     embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
       gradient is a scatter of the kept rows of dY only (:mod:`sebp_jax.embedding`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
-    require_swaps: raise when the context ends without having swapped any Dense layer (the
-      sign of an already-compiled function, or of patterns that match nothing).
+    require_swaps: raise when the context ends without having swapped any layer, or with an
+      ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
+      function, or of patterns that match nothing).
   """
 
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
@@ -167,7 +170,11 @@ class use_sebp:
     if exc_type is not None:
       return
     logger.info(self.report.summary())
-    if self.require_swaps and not self.report.swapped:
+    # A model may have embeddings only; but an include of one's own that matches no Dense
+    # layer is a typo.
+    include_given = self.include.pattern != DEFAULT_INCLUDE
+    if self.require_swaps and not self.report.swapped and (include_given
+                                                           or not self.report.embeddings):
       skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
       raise RuntimeError(
           "use_sebp swapped no Dense layer. If you called a function that jax.jit had already "
@@ -200,6 +207,10 @@ class use_sebp:
     if type(module).__call__ is not (nn.Dense if is_dense else nn.Embed).__call__:
       return "a subclass with its own __call__"
     path = module_path(module)
+    if not module.path:
+      # A module applied through .apply inside another one (a head tied to an embedding's
+      # weights): nothing tells what it is or what its rows are.
+      return "no path of its own (applied through .apply)"
     if not (is_dense and self.lm_head and _LM_HEAD.search(path)):
       if self.exclude and self.exclude.search(path):
         return "matched by exclude"

@@ -1,4 +1,9 @@
-"""``SEBPDense``: ``flax.linen.Dense`` with the SEBP backward."""
+"""Linen layers with the SEBP backward: ``SEBPDense`` and ``SEBPEmbed``.
+
+Each is a drop-in for its flax layer (same attributes, parameters and forward). The functions
+:func:`sebp_dense_call` and :func:`sebp_embed_call` run a flax layer's ``__call__`` through the
+SEBP ops; they serve these classes and the unmodified layers that ``use_sebp`` intercepts.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
-from sebp_jax.ops import sebp_linear, validate_top_n
+from sebp_jax.ops import sebp_embed_lookup, sebp_linear, validate_top_n
 
 Array = jax.Array
 
 
 def resolve_top_n(top_n: int | float, num_rows: int) -> int:
-  """Turns ``top_n`` into a row count for ``num_rows`` rows of dY.
+  """``top_n`` as a row count for ``num_rows`` rows of dY.
 
   An int is a row count (of the flattened batch); a float in ``(0, 1]`` is the kept fraction,
   rounded up, so ``0.25`` keeps a quarter of the rows. Both are static: fractions resolve from
@@ -33,27 +38,58 @@ def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool =
   """``(arrays, dtype)`` to hand an SEBP op, which casts ``arrays`` to ``dtype`` inside.
 
   With flax's own ``promote_dtype`` (the default of ``nn.Dense`` and ``nn.Embed``) the arrays
-  go in uncast, so that the op returns their gradients in their own dtypes (see
-  :func:`sebp_jax.sebp_linear`). A module with a custom ``promote_dtype`` gets it applied here,
-  as in its own forward, and the op casts nothing.
+  go in uncast, so that the op returns their gradients in their own dtypes. A module with a
+  custom ``promote_dtype`` gets it applied here, as in its own forward, and the op casts
+  nothing.
   """
   if module.promote_dtype is promote_dtype:
     return arrays, canonicalize_dtype(*arrays, dtype=module.dtype, inexact=inexact)
   return tuple(module.promote_dtype(*arrays, dtype=module.dtype, inexact=inexact)), None
 
 
+def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, threshold: float,
+                    backend: str, active_rows: Array | None = None) -> Array:
+  """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
+
+  Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does.
+  """
+  kernel = module.param("kernel", module.kernel_init, (jnp.shape(inputs)[-1], module.features),
+                        module.param_dtype)
+  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  (inputs, kernel, bias), dtype = promotion_for_sebp(module, inputs, kernel, bias)
+  num_rows = math.prod(jnp.shape(inputs)[:-1])
+  return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
+                     threshold=threshold, precision=module.precision, backend=backend,
+                     active_rows=active_rows, dtype=dtype)
+
+
+def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float, threshold: float,
+                    active_rows: Array | None = None) -> Array:
+  """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
+  inputs = jnp.asarray(inputs)
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs of {type(module).__name__} must be integer token ids, "
+                     f"got dtype {inputs.dtype}")
+  (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
+  if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
+    return jnp.broadcast_to(jnp.asarray(table, dtype), inputs.shape + (module.features,))
+  return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
+                           threshold=threshold, active_rows=active_rows, dtype=dtype)
+
+
 class SEBPDense(nn.Dense):
   """A drop-in for ``flax.linen.Dense`` whose backward keeps only the top-N rows of dY.
 
   Same attributes, defaults, parameter names (``kernel``, ``bias``) and shapes as ``nn.Dense``,
-  so a checkpoint loads into either, and a bit-identical forward. Additional attributes:
+  so that a checkpoint loads into either, and a bit-identical forward. Additional attributes:
 
   Attributes:
     top_n: rows of dY kept in the backward, counted over all leading dims of the input: an int,
       or a float in (0, 1] for a kept fraction. Choose it to cover the non-padding tokens of the
       largest batch you expect: rows beyond ``top_n`` lose their gradient.
     threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
-    backend: ``"auto"``, ``"xla"`` or ``"pallas"``, see :func:`sebp_jax.sebp_linear`.
+    backend: ``"auto"`` or an implementation name, see :func:`sebp_jax.sebp_linear`.
   """
 
   top_n: int | float = dataclasses.field(kw_only=True)
@@ -71,19 +107,21 @@ class SEBPDense(nn.Dense):
                            backend=self.backend)
 
 
-def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, threshold: float,
-                    backend: str, active_rows: Array | None = None) -> Array:
-  """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
+class SEBPEmbed(nn.Embed):
+  """A drop-in for ``flax.linen.Embed`` whose backward keeps only the top-N rows of dY.
 
-  Creates or reads the module's ``kernel``/``bias`` exactly as ``nn.Dense`` does, so it serves
-  both ``SEBPDense`` and unmodified ``nn.Dense`` layers intercepted by ``use_sebp``.
+  Same attributes, parameter (``embedding``) and forward as ``nn.Embed``; ``attend`` is
+  unchanged (a dense matmul over the whole table). Additional attributes:
+
+  Attributes:
+    top_n: rows of dY kept in the backward, counted over every element of ``inputs``: an int,
+      or a float in (0, 1] for a kept fraction. Cover the non-padding tokens.
+    threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
   """
-  kernel = module.param('kernel', module.kernel_init, (jnp.shape(inputs)[-1], module.features),
-                        module.param_dtype)
-  bias = (module.param('bias', module.bias_init, (module.features,), module.param_dtype)
-          if module.use_bias else None)
-  (inputs, kernel, bias), dtype = promotion_for_sebp(module, inputs, kernel, bias)
-  num_rows = math.prod(jnp.shape(inputs)[:-1])
-  return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
-                     threshold=threshold, precision=module.precision, backend=backend,
-                     active_rows=active_rows, dtype=dtype)
+
+  top_n: int | float = dataclasses.field(kw_only=True)
+  threshold: float = dataclasses.field(default=0.0, kw_only=True)
+
+  def __call__(self, inputs: Array) -> Array:
+    """Embeds the integer ``inputs: [...]`` into ``[..., features]``."""
+    return sebp_embed_call(self, inputs, top_n=self.top_n, threshold=self.threshold)

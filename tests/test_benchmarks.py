@@ -11,13 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sebp_jax
-import sebp_jax.backends
-import sebp_jax.layers
-import sebp_jax.ops
-from benchmarks import ablations, layer, model, tune_blocks
+from benchmarks import harness, layer, model, selection, tune_blocks
 
 
+@pytest.mark.slow
 def test_model_benchmark_records(tmp_path):
   out = tmp_path / "model.jsonl"
   rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared,bound",
@@ -51,6 +48,7 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
   assert not np.any(grads["lm_head"]["kernel"]) and not np.any(grads["model"]["norm"]["weight"])
 
 
+@pytest.mark.slow
 def test_lm_head_modes_only_for_models_with_one():
   rows = model.main(["--tiny", "--model", "bert", "--model", "llama", "--modes",
                      "dense,sebp_lm_head", "--repeats", "1"])
@@ -74,6 +72,7 @@ def test_layer_benchmark_records(tmp_path, capsys):
   assert f"{roof['xla']:7.2f}x {roof['pallas']:7.2f}x |" in row
 
 
+@pytest.mark.slow
 def test_tune_blocks_records_every_candidate(tmp_path, capsys):
   out = tmp_path / "tune.jsonl"
   tune_blocks.main(["--shapes", "48x64", "--tokens", "128", "--kept", "20", "--repeats", "1",
@@ -102,91 +101,48 @@ def test_tune_blocks_sweeps_only_the_kernels_asked_for(tmp_path, capsys, monkeyp
 def test_tune_blocks_rejects_unknown_kernels(kernels, capsys):
   with pytest.raises(SystemExit):
     tune_blocks.main(["--kernels", kernels, "--shapes", "48x64"])
-  assert "--kernels must name dx and/or dw, each once" in capsys.readouterr().err
+  assert "argument --kernels: expected distinct names out of dx,dw" in capsys.readouterr().err
 
 
-def test_ablation_studies_run_and_agree(tmp_path):
-  out = tmp_path / "ablations.jsonl"
-  dx = ablations.main(["dx", "--tiny", "--repeats", "1", "--out", str(out)])
-  # dX by scatter, by gather and by the Pallas kernels all matched dense inside the study.
-  assert {r["variant"] for r in dx} == {"dense", "xla, dX by gather", "xla, dX by scatter",
-                                        "pallas"}
-  check = ablations.main(["check", "--tiny", "--model", "bert", "--repeats", "1",
-                          "--out", str(out)])
-  assert [r["variant"] for r in check] == ["dense", *ablations.CHECKS]
-  assert all(r["backward_ms"] > 0 and r["mode"] in ("dense", "sebp_shared") for r in check)
-  records = len(dx) + len(check)
-  for study, variants in (("poison", ["kept rows of dY", "dW and db"]),
-                          ("cast", ["inside the op", "before the op"])):
-    got = ablations.main([study, "--tiny", "--model", "llama", "--repeats", "1",
-                          "--out", str(out)])
-    assert [r["variant"] for r in got] == ["dense", *variants]
-    assert all(len(r["backward_ms_rounds"]) == 2 for r in got)
-    records += len(got)
-  # Both stores agreed inside the study (it asserts that); one record per output and variant.
-  store = ablations.main(["store", "--tiny", "--repeats", "1", "--out", str(out)])
-  assert sorted((r["output"], r["variant"]) for r in store) == [
-      (output, variant) for output in ("dW", "dX")
-      for variant in ("float32, then cast", "stored by the matmul")]
-  records += len(store)
-  bias_sum = ablations.main(["bias-sum", "--tiny", "--repeats", "1", "--out", str(out)])
-  assert [r["variant"] for r in bias_sum] == ["jax.vjp", "partial sums", "one sum"]
-  # Both float32 sums give the float64 sum rounded once, in every entry.
-  assert [r["dbias_entries_off"] for r in bias_sum[1:]] == [0, 0]
-  records += len(bias_sum)
-  assert len(out.read_text().splitlines()) == records
+def test_layer_variants_run_the_op_and_agree_with_dense():
+  """Every timed variant is the library's backward: on dY whose unkept rows are zero they all
+  give dense's gradients, and a given index still checks the rows it skips."""
+  case = layer.Case(24, 40, 64, 25, "float32")
+  x, kernel, bias, dy, active_rows = layer.make_inputs(case, seed=3)
+  want = layer.dense_backward(x, kernel, bias, dy)
+  for backend, mode, fn, _ in layer._variants(case):
+    if mode == "pregathered":
+      continue
+    got = jax.jit(fn)(x, kernel, bias, dy, *([active_rows] if mode == "given" else []))
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{backend} {mode}")
+  skipped = int(np.setdiff1d(np.arange(64), np.asarray(active_rows))[0])
+  poisoned = dy.at[skipped, 0].set(jnp.nan)
+  _, dkernel, dbias = layer.sebp_backward("xla", case.num_kept)(x, kernel, bias, poisoned,
+                                                                 active_rows)
+  assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
-def test_ablation_poison_and_cast_variants_take_effect():
-  """Swapped in as the studies do, each alternative acts on the real backward."""
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16)
-  g = rng.standard_normal((8, 4)).astype(np.float32)
-  g[5:] = 0
-  g[6, 2] = np.nan
-  rows = jnp.arange(5, dtype=jnp.int32)
-  kernel = jnp.asarray(rng.standard_normal((3, 4)), jnp.bfloat16)
-  for swaps in ([], [(sebp_jax.backends, "xla_sparse_backward",
-                      ablations._poison_after_matmuls)]):
-    with ablations._patched(swaps):
-      dx, dkernel = jax.grad(lambda x, k: jnp.sum(sebp_jax.sebp_linear(  # "auto": dense on GPU
-          x, k, top_n=5, active_rows=rows, backend="xla").astype(jnp.float32) * g),
-                             (0, 1))(x, kernel)
-    assert np.isnan(np.asarray(dkernel, np.float32)).all()
-    # Poisoned rows of dY reach dX's kept rows too; poisoned sums leave dX alone.
-    assert np.isnan(np.asarray(dx, np.float32)[:5]).all() == (not swaps)
-  params = {"params": {"kernel": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
-                       "bias": jnp.zeros(4)}}
-  layer = sebp_jax.SEBPDense(4, dtype=jnp.bfloat16, top_n=8, backend="xla")
-  dy = jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16)
-  kernels = []
-  for swaps in ([], [(sebp_jax.layers, "promotion_for_sebp",
-                      ablations._promote_before_the_op)]):
-    with ablations._patched(swaps):
-      _, vjp = jax.vjp(lambda p: layer.apply(p, x), params)
-      kernels.append(np.asarray(vjp(dy)[0]["params"]["kernel"]))
-  # Cast before the op, dW is rounded to bf16 first: representable in bf16, unlike inside.
-  as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
-  assert not np.array_equal(kernels[0], as_bf16(kernels[0]))
-  np.testing.assert_array_equal(kernels[1], as_bf16(kernels[1]))
+def test_selection_benchmark_records(tmp_path):
+  out = tmp_path / "selection.jsonl"
+  selection.main(["--tokens", "64", "--widths", "16", "--repeats", "1", "--out", str(out)])
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["regime"], r["variant"]) for r in records} == {
+      (regime, variant) for regime in ("padding", "dense") for variant in selection.VARIANTS}
+  assert all(r["median_ms"] > 0 and r["device"] and r["jax_version"] for r in records)
 
 
-def test_ablation_check_variants_take_effect():
-  """Each check variant, swapped in as the study does, acts on the real backward: a NaN in a
-  row the given index skips poisons all of dW (row max, all(isfinite)), only its column
-  (column sum) or nothing (none)."""
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((8, 3)).astype(np.float32)
-  kernel = rng.standard_normal((3, 4)).astype(np.float32)
-  g = rng.standard_normal((8, 4)).astype(np.float32)
-  g[5:] = 0
-  g[6, 2] = np.nan
-  rows = jnp.arange(5, dtype=jnp.int32)
-  want_nan_columns = {"row_max": 4, "all_isfinite": 4, "column_sum": 1, "none": 0}
-  for name, check in ablations.CHECKS.items():
-    with ablations._patched([(sebp_jax.ops, "nan_if_not_finite", check)]):
-      dkernel = jax.grad(lambda k: jnp.sum(sebp_jax.sebp_linear(  # "auto": dense on a GPU
-          x, k, top_n=5, active_rows=rows, backend="xla") * g))(kernel)
-    nan_columns = np.isnan(np.asarray(dkernel)).all(axis=0)
-    assert nan_columns.sum() == want_nan_columns[name], name
-    assert not np.isnan(np.asarray(dkernel)[:, ~nan_columns]).any(), name
+def test_harness_timer_and_parsers():
+  calls = []
+  ms = harness.median_ms(lambda a: calls.append(a) or jnp.ones(()), 7, repeats=3,
+                         calls_per_repeat=2, warmup=1)
+  assert ms > 0 and calls == [7] * 7
+  assert harness.parse_shapes("bert-base") == harness.SHAPES["bert-base"]
+  assert harness.parse_shapes("48x64,2048X512") == [(48, 64), (2048, 512)]
+  assert harness.parse_positive_ints("4096,16") == [4096, 16]
+  assert harness.parse_subset("dw,dx", ("dx", "dw")) == ["dw", "dx"]
+  for parse, text in ((harness.parse_shapes, "48"), (harness.parse_shapes, "48x0"),
+                      (harness.parse_positive_ints, "4,-1"), (harness.parse_positive_ints, "a"),
+                      (lambda t: harness.parse_subset(t, ("dx", "dw")), "dx,dx")):
+    with pytest.raises(harness.argparse.ArgumentTypeError, match="expected"):
+      parse(text)

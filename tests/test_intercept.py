@@ -1,8 +1,8 @@
-"""`use_sebp` on models whose code we do not touch: transformers' Flax BERT and Llama."""
+"""`use_sebp` on models whose code we do not touch: transformers' Flax BERT and Llama, and
+plain linen models.
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+Tests that compare SEBP with dense ask for backend="xla": on a GPU "auto" runs these tiny
+layers dense, and a test must exercise the path it names on every machine."""
 
 import flax.linen as nn
 import jax
@@ -12,7 +12,7 @@ import pytest
 from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
                           FlaxLlamaForCausalLM, LlamaConfig)
 
-from model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
+from tests.model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
 from sebp_jax import use_sebp
 
 
@@ -43,7 +43,7 @@ def test_bert_gradients_equal_dense(tiny_bert, shared_index):
   ids, mask = _padded_batch(np.random.default_rng(0), 3, 16, 120)
   labels = np.array([0, 1, 1])
   num_real = int(mask.sum())
-  kwargs = dict(top_n=num_real, active_mask=mask if shared_index else None)
+  kwargs = dict(top_n=num_real, active_mask=mask if shared_index else None, backend="xla")
   want = jax.grad(classification_loss(tiny_bert, ids, mask, labels))(tiny_bert.params)
   got = jax.jit(jax.grad(classification_loss(tiny_bert, ids, mask, labels, kwargs)))(tiny_bert.params)
   assert_every_gradient_close(got, want)
@@ -54,7 +54,7 @@ def test_bert_gradients_equal_dense(tiny_bert, shared_index):
 def test_llama_gradients_equal_dense(tiny_llama, shared_index, lm_head):
   ids, mask = _padded_batch(np.random.default_rng(1), 2, 16, 120)
   kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None,
-                lm_head=lm_head)
+                lm_head=lm_head, backend="xla")
   want = jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params)
   got = jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask, kwargs)))(tiny_llama.params)
   assert_every_gradient_close(got, want)
@@ -74,7 +74,7 @@ def test_lm_heads_of_bert_and_tied_heads():
   assert report.skipped[head] == "matched by exclude"
   # The decoder is tied to the word embedding and applied through .apply: a module of its own,
   # with no path in the model, which no pattern can select.
-  assert report.skipped["<root>"] == "not matched by include"
+  assert report.skipped["<root>"] == "no path of its own (applied through .apply)"
   with use_sebp(top_n=4, lm_head=True) as report:
     model(ids, attention_mask=mask)
   assert head in report.swapped and "<root>" in report.skipped
@@ -139,7 +139,7 @@ def test_decorator_form_and_grad(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(5), 2, 12, 120)
   labels = np.array([1, 0])
   dense_loss = classification_loss(tiny_bert, ids, mask, labels)
-  sebp_loss = use_sebp(top_n=int(mask.sum()))(dense_loss)
+  sebp_loss = use_sebp(top_n=int(mask.sum()), backend="xla")(dense_loss)
   assert_every_gradient_close(jax.jit(jax.grad(sebp_loss))(tiny_bert.params),
                      jax.grad(dense_loss)(tiny_bert.params))
   # Too small a top_n must change the gradient: the interceptor really acts. ("xla": "auto"
@@ -182,7 +182,7 @@ def test_subclasses_and_shared_index_shapes():
     return MixedModel().apply(params, ids, mask)
 
   def sebp_loss(params):
-    with use_sebp(top_n=6, active_mask=mask) as report:
+    with use_sebp(top_n=6, active_mask=mask, backend="xla") as report:
       reports.append(report)
       return dense_loss(params)
 
@@ -255,7 +255,8 @@ def test_scan_and_remat_inside_use_sebp(shared_index):
     return ScannedModel().apply(params, ids, mask)
 
   def sebp_loss(params):
-    with use_sebp(top_n=5, active_mask=mask if shared_index else None) as report:
+    with use_sebp(top_n=5, active_mask=mask if shared_index else None,
+                  backend="xla") as report:
       reports.append(report)
       return dense_loss(params)
 
@@ -269,3 +270,49 @@ def test_scan_and_remat_inside_use_sebp(shared_index):
     starved = jax.grad(lambda p: ScannedModel().apply(p, ids, mask))(params)
   assert not np.allclose(starved["params"]["layers"]["up_proj"]["kernel"],
                          got["params"]["layers"]["up_proj"]["kernel"])
+
+
+class PlainMLP(nn.Module):
+  """A model of one's own: auto-named layers (Dense_0, Dense_1), padding masked."""
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.relu(nn.Dense(16)(x))
+    return jnp.sum(nn.Dense(3)(h) * mask[..., None])
+
+
+def test_a_plain_model_works_with_the_defaults():
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((4, 6, 5)), jnp.float32)
+  mask = jnp.asarray(np.arange(6)[None] < np.array([[2], [5], [1], [3]]), jnp.float32)
+  params = PlainMLP().init(jax.random.key(0), x, mask)
+  reports = []
+
+  def loss(params, sebp):
+    if not sebp:
+      return PlainMLP().apply(params, x, mask)
+    with use_sebp(top_n=int(mask.sum()), backend="xla") as report:
+      reports.append(report)
+      return PlainMLP().apply(params, x, mask)
+
+  assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
+  assert reports[0].swapped == ["Dense_0", "Dense_1"]
+  # Too few rows change the gradient: the defaults really swapped them.
+  with use_sebp(top_n=2, backend="xla"):
+    starved = jax.grad(lambda p: PlainMLP().apply(p, x, mask))(params)
+  assert not np.allclose(starved["params"]["Dense_0"]["kernel"],
+                         jax.grad(loss)(params, False)["params"]["Dense_0"]["kernel"])
+
+
+def test_a_model_with_embeddings_only_is_not_an_error():
+  ids = jnp.asarray([[1, 2, 0], [3, 0, 0]], jnp.int32)
+
+  class Wrapper(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return nn.Embed(5, 4, name="tokens")(ids)
+
+  params = Wrapper().init(jax.random.key(0), ids)
+  with use_sebp(top_n=3) as report:
+    Wrapper().apply(params, ids)
+  assert report.embeddings == ["tokens"] and not report.swapped

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from reference import random_sparse_rows, reference_backward, relative_error
+from tests.reference import random_sparse_rows, reference_backward, relative_error
 from sebp_jax import SEBPDense, resolve_top_n
 
 

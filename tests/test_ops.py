@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.ad_checkpoint import print_saved_residuals
 
-from reference import (random_sparse_rows, reference_active_rows, reference_backward,
+from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
                        relative_error)
 import sebp_jax
 from sebp_jax import SEBP_CHECKPOINT_NAME
 
 # The SEBP backward under test. "auto" would run the dense backward on a GPU for layers this
-# small (see sebp_jax.backends.choose_backend), keeping every row.
+# small (see sebp_jax.cost_model), keeping every row.
 sebp_linear = functools.partial(sebp_jax.sebp_linear, backend="xla")
 
 

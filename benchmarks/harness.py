@@ -1,0 +1,100 @@
+"""What every benchmark shares: the timer, the records and the parsing of cases.
+
+Timings are medians of wall time with a device sync, after warm-up calls that absorb
+compilation; a record is one JSON object that names the device and the jax version it was
+measured with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+
+#: Layer shapes (in_features, out_features) of the models the benchmarks stand for.
+SHAPES = {
+    "bert-base": [(768, 768), (768, 3072), (3072, 768)],
+    "llama-3.2-1b/3b": [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048),
+                        (3072, 8192), (8192, 3072)],
+}
+ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes]
+
+
+def median_ms(fn: Callable, *args, repeats: int, calls_per_repeat: int = 1,
+              work_items: int = 1, warmup: int = 2) -> float:
+  """Median milliseconds of one of the ``work_items`` evaluations that each ``fn(*args)`` does.
+
+  Each repeat runs ``calls_per_repeat`` calls back to back and syncs once, so that the host's
+  dispatch overlaps the device's work as it does in a training loop.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls_per_repeat):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) * 1e3 / (calls_per_repeat * work_items))
+  return statistics.median(samples)
+
+
+def over_input_sets(fn: Callable) -> Callable:
+  """``fn`` applied to each of several argument tuples in one executable.
+
+  One dispatch of several evaluations keeps the host's launch cost out of small cases, and
+  distinct inputs keep a repeated evaluation from reading its operands out of L2.
+  """
+  return lambda *input_sets: [fn(*inputs) for inputs in input_sets]
+
+
+def record(**fields) -> dict:
+  """One measurement, with the device and jax version it was taken on."""
+  return {**fields, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+
+
+def append_json_lines(path: str | pathlib.Path | None, records: Iterable[dict]) -> None:
+  """Appends each record as one JSON line to ``path`` (nothing when ``path`` is None)."""
+  if path:
+    with open(path, "a") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+  """``"all"``, a model name of :data:`SHAPES`, or a comma list of ``DxN``."""
+  if text == "all":
+    return ALL_SHAPES
+  if text in SHAPES:
+    return SHAPES[text]
+  shapes = [item.lower().split("x") for item in text.split(",")]
+  if not all(len(shape) == 2 and all(v.isdigit() and int(v) > 0 for v in shape)
+             for shape in shapes):
+    raise argparse.ArgumentTypeError(
+        f"expected 'all', one of {sorted(SHAPES)} or a comma list of DxN, got {text!r}")
+  return [(int(d), int(n)) for d, n in shapes]
+
+
+def parse_positive_ints(text: str) -> list[int]:
+  """A comma list of positive ints."""
+  try:
+    values = [int(v) for v in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) <= 0:
+    raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}")
+  return values
+
+
+def parse_subset(text: str, choices: Sequence[str]) -> list[str]:
+  """A comma list of distinct names out of ``choices``."""
+  names = [name for name in text.split(",") if name]
+  unknown = sorted(set(names) - set(choices))
+  if unknown or len(set(names)) != len(names) or not names:
+    raise argparse.ArgumentTypeError(
+        f"expected distinct names out of {','.join(choices)}, got {text!r}")
+  return names

@@ -1,0 +1,166 @@
+"""Implementations of the linear layer's backward, registered by name.
+
+Every implementation has one signature::
+
+    fn(x, kernel, dy, active_rows, *, with_bias, precision, poison, dkernel_dtype)
+        -> (dx, dkernel, dbias)
+
+with ``x: [T, D]``, ``kernel: [D, N]``, ``dy: [T, N]`` and ``active_rows: int32[K]`` (sorted,
+padded with the sentinel ``T``, as :func:`sebp_jax.selection.select_active_rows` makes it; None
+for an implementation that keeps every row). It returns
+
+* ``dx: [T, D]`` in x's dtype: ``dy[r] @ kernel.T`` for every kept row r, exactly 0 elsewhere;
+* ``dkernel: [D, N]`` in ``dkernel_dtype`` (default: the accumulation dtype):
+  ``x[rows].T @ dy[rows]``;
+* ``dbias: [N]`` in the accumulation dtype, or None without bias: ``sum(dy[rows])``;
+
+summed in :func:`accumulation_dtype` and rounded once: each matmul stores its own output
+dtype, since a cast of a float32 result would be a pass of its own. ``poison``, a float32
+scalar that is 0 or NaN (or None), must reach dkernel and dbias.
+
+Registered here:
+
+* ``"dense"``: every row (``active_rows`` is ignored); also the baseline of the others;
+* ``"xla"``: the dense backward of the kept rows, gathered and spread back in plain jnp;
+* ``"pallas"``: the Pallas kernels of ``pallas_kernels/`` (Triton on GPU, interpreted
+  elsewhere), which gather the kept rows inside their matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+Backward = Callable[..., tuple[Array, Array, Array | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """A registered backward: its function and whether it reads an index of kept rows."""
+  name: str
+  backward: Backward
+  keeps_rows: bool
+
+
+_REGISTRY: dict[str, Implementation] = {}
+
+
+def register_implementation(name: str, backward: Backward, *, keeps_rows: bool = True) -> None:
+  """Makes ``backward`` available as ``backend=name`` to every SEBP op.
+
+  ``keeps_rows=False`` marks an implementation that keeps every row: it is handed no index.
+  """
+  if name == "auto":
+    raise ValueError("'auto' is the cost model's choice, not an implementation name")
+  _REGISTRY[name] = Implementation(name, backward, keeps_rows)
+
+
+def implementation_names() -> tuple[str, ...]:
+  return tuple(_REGISTRY)
+
+
+def get_implementation(name: str) -> Implementation:
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"backend must be 'auto' or one of {implementation_names()}, "
+                     f"got {name!r}") from None
+
+
+def accumulation_dtype(dtype) -> jnp.dtype:
+  """float32 for 16-bit operands (and float32), float64 for float64 operands."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+#: About how many rows each partial sum of :func:`sum_rows` adds up.
+ROWS_PER_PARTIAL_SUM = 256
+
+
+def sum_rows(a: Array, dtype) -> Array:
+  """``sum(a, axis=0)`` of ``a: [T, F]`` in ``dtype``, as ``k`` interleaved partial sums of at least
+  ``ROWS_PER_PARTIAL_SUM`` rows each (``k`` a power of two that divides T; odd T: 1).
+
+  The same float32 sums as ``jnp.sum(a, axis=0, dtype=dtype)`` in another order. On a GPU XLA
+  emits the single convert-and-sum of a 16-bit ``[T, F]`` as a slow reduction fusion, and
+  autodiff's own 16-bit sum rounds as it adds; the two-level sum is neither.
+  """
+  num_rows, num_features = a.shape
+  most_partials = max(1, num_rows // ROWS_PER_PARTIAL_SUM)
+  num_partials = math.gcd(num_rows, 1 << (most_partials.bit_length() - 1))
+  partials = jnp.sum(a.reshape(num_rows // num_partials, num_partials * num_features), axis=0,
+                     dtype=dtype)
+  return jnp.sum(partials.reshape(num_partials, num_features), axis=0)
+
+
+def gather_rows(a: Array, rows: Array) -> Array:
+  """``a[rows]`` for ``a: [T, F]``, ``rows: int32[K]``, with zero rows for sentinel slots (``rows == T``)."""
+  return jnp.take(a, rows, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
+
+
+def spread_rows(kept: Array, rows: Array, num_rows: int) -> Array:
+  """For ``kept: [K, F]``, the ``[T, F]`` array with ``kept[k]`` in row ``rows[k]`` and exact zeros elsewhere.
+
+  A gather through the inverse index (each row looks up its slot, or the out-of-range slot K
+  and reads zeros) rather than a scatter into zeros: XLA fuses a gather into whatever consumes
+  dX (a residual sum, a norm's backward), while a scatter is a kernel of its own after a fill.
+  """
+  num_slots = rows.shape[0]
+  slot_of_row = jnp.full((num_rows,), num_slots, jnp.int32).at[rows].set(
+      jnp.arange(num_slots, dtype=jnp.int32), mode="drop", indices_are_sorted=True)
+  return jnp.take(kept, slot_of_row, axis=0, mode="fill", fill_value=0)
+
+
+def dense_backward(x, kernel, dy, active_rows=None, *, with_bias, precision=None, poison=None,
+                   dkernel_dtype=None):
+  """Every row kept. A NaN/Inf anywhere in dY reaches dW and db by itself, so ``poison`` and
+  ``active_rows`` are not needed."""
+  del active_rows, poison
+  accumulate = accumulation_dtype(dy.dtype)
+  dx = lax.dot_general(dy, kernel, (((1,), (1,)), ((), ())), precision=precision,
+                       preferred_element_type=x.dtype)
+  dkernel = lax.dot_general(x, dy, (((0,), (0,)), ((), ())), precision=precision,
+                            preferred_element_type=dkernel_dtype or accumulate)
+  dbias = sum_rows(dy, accumulate) if with_bias else None
+  return dx, dkernel, dbias
+
+
+def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
+                 dkernel_dtype=None):
+  """The dense backward of the kept rows, dX spread back to all T rows."""
+  dy_kept = gather_rows(dy, active_rows)
+  if poison is not None:
+    # Added to the kept rows it fuses into their gather and reaches dW and db (a sentinel
+    # slot's zero row times NaN is NaN too).
+    dy_kept = dy_kept + poison.astype(dy_kept.dtype)
+  dx_kept, dkernel, dbias = dense_backward(gather_rows(x, active_rows), kernel, dy_kept,
+                                           with_bias=with_bias, precision=precision,
+                                           dkernel_dtype=dkernel_dtype)
+  return spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
+
+
+def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
+                    dkernel_dtype=None):
+  """The Pallas kernels: dX as its kept rows, spread by the fusible gather of ``"xla"``; the
+  poison as the start of the dW kernel's sums."""
+  import pallas_kernels  # Lazily: the other implementations must not pay for its import.
+
+  interpret = jax.default_backend() != "gpu"
+  dx_kept = pallas_kernels.gathered_dx(dy, kernel, active_rows, precision=precision,
+                                       interpret=interpret)
+  accumulate = accumulation_dtype(dy.dtype)
+  dkernel, dbias = pallas_kernels.gathered_dw_db(
+      x, dy, active_rows, with_bias=with_bias, poison=poison, precision=precision,
+      interpret=interpret, dw_dtype=dkernel_dtype or accumulate, db_dtype=accumulate)
+  return spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0]), dkernel, dbias
+
+
+register_implementation("dense", dense_backward, keeps_rows=False)
+register_implementation("xla", xla_backward)
+register_implementation("pallas", pallas_backward)

@@ -1,0 +1,59 @@
+"""The examples' command lines and shared helpers (the runs themselves are the README's demo)."""
+
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from examples import finetune_bert_sst2, finetune_llama
+from examples.common import max_loss_difference, time_forward_backward
+from examples.datasets import DATA_DIR
+
+EXAMPLES = [finetune_bert_sst2, finetune_llama]
+
+
+def test_llama_example_lm_head_flag():
+  assert finetune_llama.parse_args([]).lm_head
+  assert not finetune_llama.parse_args(["--no-lm-head"]).lm_head
+
+
+def test_counts_must_be_positive(capsys):
+  with pytest.raises(SystemExit):
+    finetune_llama.parse_args(["--steps", "0"])
+  assert "--steps must be positive, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
+def test_help_describes_every_option_with_one_default(example, capsys):
+  with pytest.raises(SystemExit):
+    example.parse_args(["--help"])
+  out = capsys.readouterr().out
+  assert out.startswith(f"usage: python -m {example.__name__} ")
+  entries = re.split(r"\n  (?=-)", out.split("\noptions:\n")[1])[1:]
+  assert len(entries) >= 10
+  for entry in entries:
+    invocation, _, help_text = entry.partition("  ")
+    help_text = " ".join(help_text.split())
+    assert help_text.count("default") <= 1, entry
+    assert re.sub(r"\(default: [^)]*\)$", "", help_text).strip(), f"no help for {invocation}"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
+def test_data_dir_defaults_to_the_carried_data(example, tmp_path):
+  assert example.parse_args([]).data_dir == DATA_DIR
+  assert example.parse_args(["--data-dir", str(tmp_path)]).data_dir == tmp_path
+
+
+def test_max_loss_difference(capsys):
+  assert max_loss_difference({"dense": [1.0, 2.0, 3.0], "sebp": [1.0, 2.5, 2.75]}) == 0.5
+  assert "largest per-step loss difference, dense vs SEBP: 5.00e-01" in capsys.readouterr().out
+
+
+def test_time_forward_backward_reports_milliseconds():
+  loss_fns = {"dense": lambda params, batch: jnp.sum((batch["x"] @ params) ** 2),
+              "sebp": lambda params, batch: jnp.sum(batch["x"] @ params)}
+  timings = time_forward_backward(loss_fns, jnp.ones((4, 2)), {"x": jnp.ones((3, 4))}, repeats=2)
+  assert set(timings) == {"dense", "sebp"}
+  for timing in timings.values():
+    assert set(timing) == {"forward_ms", "forward_backward_ms", "backward_ms"}
+    assert all(value > 0 for value in timing.values())
