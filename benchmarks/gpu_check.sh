@@ -10,13 +10,18 @@
 # benchmarks.tune_blocks / benchmarks.model. Where the image lacks pytest or has
 # transformers 5.x (no Flax models), they are installed from wheels carried in .whl/.
 set -uo pipefail
-out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [tests] [tune] [bench]}
+out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [tests] [tune] [bench] [model]}
 shift
 steps=${*:-tests}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import pytest, transformers; assert transformers.__version__ < '5'" 2>/dev/null
 then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "this machine lacks pytest or transformers 4.x: put their wheels (Python 3.12) in .whl/" \
+      "or install them, e.g. pip install -e '.[hf,test]'" >&2
+    exit 1
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi

@@ -38,8 +38,10 @@ def median_ms(fn: Callable, *args, repeats: int, calls_per_repeat: int = 1,
   for _ in range(repeats):
     start = time.perf_counter()
     for _ in range(calls_per_repeat):
+      out = None  # Freed before the next call allocates its own: one result alive at a time.
       out = fn(*args)
     jax.block_until_ready(out)
+    out = None
     samples.append((time.perf_counter() - start) * 1e3 / (calls_per_repeat * work_items))
   return statistics.median(samples)
 

@@ -132,7 +132,7 @@ class Case:
     return f"{self.d}x{self.n}"
 
 
-def _variants(case: Case):
+def variants(case: Case):
   """(backend, index_mode, fn, argument shapes) of every timed variant."""
   dtype = jnp.dtype(case.dtype)
   x = jax.ShapeDtypeStruct((case.num_rows, case.d), dtype)
@@ -154,7 +154,7 @@ def _variants(case: Case):
 def compile_all(cases, threads: int, input_sets: int):
   """Compiles every variant of every case ahead of timing, in parallel."""
   jobs = [(case, backend, mode, fn, args)
-          for case in cases for backend, mode, fn, args in _variants(case)]
+          for case in cases for backend, mode, fn, args in variants(case)]
 
   def compile_one(job):
     case, backend, mode, fn, args = job
@@ -234,7 +234,7 @@ def main(argv=None):
                for x, kernel, bias, dy, active_rows in input_sets]
         for mode in ("dense", "selected", "given", "pregathered")}
     dense_ms = None
-    for backend, mode, _, _ in _variants(case):
+    for backend, mode, _, _ in variants(case):
       ms = median_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
                      repeats=args.repeats, calls_per_repeat=3, work_items=args.input_sets)
       dense_ms = ms if backend == "dense" else dense_ms

@@ -1,10 +1,10 @@
 """Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama.
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
-of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one run, for each mode:
-forward, backward (forward + backward minus forward) and a whole AdamW step (median of
-``--repeats``), and the peak device memory of the compiled step (XLA's memory analysis:
-arguments + outputs + temporaries - aliased).
+of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one
+run, for each mode: forward, backward (forward + backward minus forward) and a whole AdamW
+step (median of ``--repeats``), and the peak device memory of the compiled step (XLA's memory
+analysis: arguments + outputs + temporaries - aliased).
 
 Modes:
   dense          fixed padding, dense backward
@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import append_json_lines, median_ms, parse_subset, record
 from sebp_jax import use_sebp
+from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import masked_causal_lm_loss
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
@@ -253,17 +254,19 @@ def print_table(rows) -> None:
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
+                                   description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="model(s) to run (default: all)")
   parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
                       default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-  parser.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas", "dense"),
+  parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
-  parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--repeats", type=int, default=10,
+                      help="timed repeats of each measurement; the median is kept")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the batch's tokens and lengths")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)

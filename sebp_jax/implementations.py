@@ -43,23 +43,29 @@ Backward = Callable[..., tuple[Array, Array, Array | None]]
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """A registered backward: its function and whether it reads an index of kept rows."""
-  name: str
+  """A registered backward, and whether it takes the index of the kept rows (an
+  implementation that keeps every row takes none)."""
   backward: Backward
-  keeps_rows: bool
+  takes_index: bool
 
 
 _REGISTRY: dict[str, Implementation] = {}
 
 
-def register_implementation(name: str, backward: Backward, *, keeps_rows: bool = True) -> None:
+def register_implementation(name: str, backward: Backward, *, takes_index: bool = True,
+                            replace: bool = False) -> None:
   """Makes ``backward`` available as ``backend=name`` to every SEBP op.
 
-  ``keeps_rows=False`` marks an implementation that keeps every row: it is handed no index.
+  ``takes_index=False`` marks an implementation that keeps every row: it is handed no index
+  (None). A name already registered is refused unless ``replace``: the cost model relies on
+  ``"dense"`` and ``"xla"`` being what this module registers.
   """
   if name == "auto":
     raise ValueError("'auto' is the cost model's choice, not an implementation name")
-  _REGISTRY[name] = Implementation(name, backward, keeps_rows)
+  if name in _REGISTRY and not replace:
+    raise ValueError(f"an implementation named {name!r} is registered already; pass "
+                     "replace=True to replace it")
+  _REGISTRY[name] = Implementation(backward, takes_index)
 
 
 def implementation_names() -> tuple[str, ...]:
@@ -100,12 +106,14 @@ def sum_rows(a: Array, dtype) -> Array:
 
 
 def gather_rows(a: Array, rows: Array) -> Array:
-  """``a[rows]`` for ``a: [T, F]``, ``rows: int32[K]``, with zero rows for sentinel slots (``rows == T``)."""
+  """``a[rows]`` for ``a: [T, F]`` and ``rows: int32[K]``, with zero rows for sentinel slots
+  (``rows == T``)."""
   return jnp.take(a, rows, axis=0, mode="fill", fill_value=0, indices_are_sorted=True)
 
 
 def spread_rows(kept: Array, rows: Array, num_rows: int) -> Array:
-  """For ``kept: [K, F]``, the ``[T, F]`` array with ``kept[k]`` in row ``rows[k]`` and exact zeros elsewhere.
+  """For ``kept: [K, F]``, the ``[T, F]`` array with ``kept[k]`` in row ``rows[k]`` and exact
+  zeros elsewhere.
 
   A gather through the inverse index (each row looks up its slot, or the out-of-range slot K
   and reads zeros) rather than a scatter into zeros: XLA fuses a gather into whatever consumes
@@ -161,6 +169,6 @@ def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, po
   return spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0]), dkernel, dbias
 
 
-register_implementation("dense", dense_backward, keeps_rows=False)
+register_implementation("dense", dense_backward, takes_index=False)
 register_implementation("xla", xla_backward)
 register_implementation("pallas", pallas_backward)

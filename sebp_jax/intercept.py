@@ -2,7 +2,7 @@
 
 The interceptor (``flax.linen.intercept_methods``) replaces the ``__call__`` of each selected
 ``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call` and, unless ``embeddings=False``, of
-each ``nn.Embed`` by :func:`sebp_jax.embedding.sebp_embed_call`: same params, same forward,
+each ``nn.Embed`` by :func:`sebp_jax.layers.sebp_embed_call`: same params, same forward,
 SEBP backward. Nothing in the model's code or its params changes.
 
 It acts while a function is *traced*. A jitted function that was compiled before is not traced
@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import re
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n, sebp_dense_call, sebp_embed_call
-from sebp_jax.ops import validate_backend, validate_threshold
+from sebp_jax.ops import validate_backend, validate_threshold, validate_top_n
 from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
@@ -102,21 +103,24 @@ class use_sebp:
     lm_head: also swap the language-model head's Dense layers (paths matching
       :data:`LM_HEAD`), whatever ``include`` and ``exclude`` say. Exact with ``active_mask``
       when the loss is masked on padding (:func:`sebp_jax.losses.masked_causal_lm_loss`), and
-      the head is a large layer (a fifth of the linear FLOPs of Llama-3.2-1B). A head that a model applies through ``.apply`` with
-      the embedding's weights (tied GPT-2, a tied BERT/RoBERTa MLM decoder) is a module of its
-      own with no path (``"<root>"`` in the report) and is not covered; Flax Llama has its own
-      ``lm_head`` even when the checkpoint ties it.
+      the head is a large layer (vocabulary x hidden size). A head that a model applies
+      through ``.apply`` with the embedding's weights (tied GPT-2, a tied BERT/RoBERTa MLM
+      decoder) is a module of its own with no path (``"<root>"`` in the report) and is not
+      covered; Flax Llama has its own ``lm_head`` even when the checkpoint ties it.
     active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
       index of the real tokens is computed once and every layer whose input has the mask's
       shape as its leading dims (embedding ids: the mask's shape) reuses it instead of
-      scoring dY itself. Exact when the gradient rows of the
+      scoring dY itself. A layer with as many rows in another layout selects its own; a
+      layer with another number of rows (a head on one row per sequence) is left dense: the
+      mask says nothing about its rows. Exact when the gradient rows of the
       masked tokens are exactly zero: BERT classification (attention masks padding keys, the
       loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
       the loss or a pooling reads padding positions, or when a real token is masked out. A
       NaN/Inf in a masked-out row of dY makes that layer's dW and db NaN rather than vanish.
-    backend: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    backend: ``"auto"`` or an implementation name (``"xla"``, ``"pallas"``, ``"dense"``, or
+      one registered with :func:`sebp_jax.register_implementation`).
     embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
-      gradient is a scatter of the kept rows of dY only (:mod:`sebp_jax.embedding`), same
+      gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     require_swaps: raise when the context ends without having swapped any layer, or with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
@@ -127,7 +131,7 @@ class use_sebp:
                include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
                active_mask: jax.Array | None = None, backend: str = "auto",
                embeddings: bool = True, lm_head: bool = False, require_swaps: bool = True):
-    resolve_top_n(top_n, 1)  # Validates now rather than inside a trace.
+    validate_top_n(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
     self.top_n = top_n
     self.threshold = validate_threshold(threshold)
     self.include = re.compile(include)
@@ -186,17 +190,24 @@ class use_sebp:
     if path not in bucket:
       bucket.append(path)
 
-  def _shared_index_for(self, path: str, row_shape) -> tuple[jax.Array | None, Any]:
-    """The shared index and its size for a layer whose rows have the mask's shape (the
-    leading dims of a Dense input, all dims of embedding ids), else (None, top_n).
+  def _rows_to_keep(self, path: str, row_shape) -> tuple[jax.Array | None, Any] | str:
+    """``(active_rows, top_n)`` for a layer whose rows have ``row_shape`` (the leading dims of
+    a Dense input, all dims of embedding ids), or why it stays dense.
 
-    Shapes, not element counts, must agree: a transposed or reshaped batch of as many rows
-    would take the mask's index for rows it does not describe.
+    With ``active_mask``, shapes and not only counts must agree for the shared index: a
+    transposed batch of as many rows would take the index for rows it does not describe, so
+    it selects its own; another number of rows is not the mask's tokens at all.
     """
-    if self._shared_rows is not None and tuple(row_shape) == jnp.shape(self.active_mask):
+    if self._shared_rows is None:
+      return None, self.top_n
+    mask_shape = jnp.shape(self.active_mask)
+    if tuple(row_shape) == mask_shape:
       self._record(self.report.shared_index, path)
       return self._shared_rows, self._shared_rows.shape[0]
-    return None, self.top_n
+    if math.prod(row_shape) == math.prod(mask_shape):
+      return None, self.top_n
+    return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
+            "active_mask")
 
   def skip_reason(self, module: nn.Module) -> str | None:
     """Why this context leaves ``module`` (a bound ``nn.Dense`` or ``nn.Embed``, as its
@@ -235,12 +246,15 @@ class use_sebp:
         self.report.skipped[path] = reason
       return next_fun(*args, **kwargs)
     (inputs,) = args or (kwargs["inputs"],)
+    rows = self._rows_to_keep(path, jnp.shape(inputs) if is_embed else jnp.shape(inputs)[:-1])
+    if isinstance(rows, str):
+      self.report.skipped[path] = rows
+      return next_fun(*args, **kwargs)
+    active_rows, top_n = rows
     if is_embed:
-      active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs))
       self._record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
                              active_rows=active_rows)
-    active_rows, top_n = self._shared_index_for(path, jnp.shape(inputs)[:-1])
     self._record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
                            backend=self.backend, active_rows=active_rows)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
-from sebp_jax.ops import sebp_embed_lookup, sebp_linear, validate_top_n
+from sebp_jax.ops import sebp_embed_lookup, sebp_linear
 
 Array = jax.Array
 
@@ -23,15 +23,15 @@ Array = jax.Array
 def resolve_top_n(top_n: int | float, num_rows: int) -> int:
   """``top_n`` as a row count for ``num_rows`` rows of dY.
 
-  An int is a row count (of the flattened batch); a float in ``(0, 1]`` is the kept fraction,
-  rounded up, so ``0.25`` keeps a quarter of the rows. Both are static: fractions resolve from
-  array shapes, never from data.
+  An int is a row count (of the flattened batch), passed on for the op to check; a float in
+  ``(0, 1]`` is the kept fraction, rounded up, so ``0.25`` keeps a quarter of the rows. Both
+  are static: fractions resolve from array shapes, never from data.
   """
   if isinstance(top_n, float):
     if not 0.0 < top_n <= 1.0:
       raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
     return max(1, math.ceil(top_n * num_rows))
-  return validate_top_n(top_n)
+  return top_n
 
 
 def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool = True):
@@ -67,13 +67,9 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, thre
 def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float, threshold: float,
                     active_rows: Array | None = None) -> Array:
   """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
-  inputs = jnp.asarray(inputs)
-  if not jnp.issubdtype(inputs.dtype, jnp.integer):
-    raise ValueError(f"inputs of {type(module).__name__} must be integer token ids, "
-                     f"got dtype {inputs.dtype}")
   (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
-    return jnp.broadcast_to(jnp.asarray(table, dtype), inputs.shape + (module.features,))
+    return jnp.broadcast_to(jnp.asarray(table, dtype), jnp.shape(inputs) + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
                            threshold=threshold, active_rows=active_rows, dtype=dtype)
 

@@ -28,6 +28,14 @@ def reference_backward(x, kernel, dy, rows):
   return dx, x[rows].T @ dy[rows], dy[rows].sum(axis=0)
 
 
+def reference_table_grad(num_embeddings, ids, dy, rows):
+  """float64 gradient of an embedding table from the rows `rows` of dy only (ids flat [T],
+  dy [T, F])."""
+  d_table = np.zeros((num_embeddings, dy.shape[1]))
+  np.add.at(d_table, ids[rows], np.asarray(dy, np.float64)[rows])
+  return d_table
+
+
 def random_sparse_rows(rng, num_rows, width, num_nonzero, dtype=np.float32):
   """[num_rows, width] normal data with all but `num_nonzero` random rows exactly zero."""
   dy = rng.standard_normal((num_rows, width)).astype(dtype)

@@ -110,7 +110,7 @@ def test_layer_variants_run_the_op_and_agree_with_dense():
   case = layer.Case(24, 40, 64, 25, "float32")
   x, kernel, bias, dy, active_rows = layer.make_inputs(case, seed=3)
   want = layer.dense_backward(x, kernel, bias, dy)
-  for backend, mode, fn, _ in layer._variants(case):
+  for backend, mode, fn, _ in layer.variants(case):
     if mode == "pregathered":
       continue
     got = jax.jit(fn)(x, kernel, bias, dy, *([active_rows] if mode == "given" else []))

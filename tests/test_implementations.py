@@ -22,7 +22,7 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 
 def _run(name, x, kernel, dy, active_rows, with_bias=True, poison=None, dkernel_dtype=None):
   implementation = get_implementation(name)
-  rows = active_rows if implementation.keeps_rows else None
+  rows = active_rows if implementation.takes_index else None
   return jax.jit(lambda *a: implementation.backward(
       *a, with_bias=with_bias, precision=None, poison=poison, dkernel_dtype=dkernel_dtype))(
           x, kernel, dy, rows)
@@ -30,7 +30,7 @@ def _run(name, x, kernel, dy, active_rows, with_bias=True, poison=None, dkernel_
 
 def _kept(name, active_rows, num_rows):
   """The rows an implementation keeps: the index's real entries, or every row for dense."""
-  if not get_implementation(name).keeps_rows:
+  if not get_implementation(name).takes_index:
     return np.arange(num_rows)
   rows = np.asarray(active_rows)
   return rows[rows < num_rows]
@@ -38,8 +38,8 @@ def _kept(name, active_rows, num_rows):
 
 def test_the_three_are_registered():
   assert set(IMPLEMENTATIONS) <= set(implementation_names())
-  assert not get_implementation("dense").keeps_rows
-  assert get_implementation("xla").keeps_rows and get_implementation("pallas").keeps_rows
+  assert not get_implementation("dense").takes_index
+  assert get_implementation("xla").takes_index and get_implementation("pallas").takes_index
   with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
     get_implementation("cuda")
 
@@ -148,7 +148,7 @@ def test_a_registered_implementation_runs_in_the_op(monkeypatch):
     calls.append(kwargs)
     return dense_backward(*args, **kwargs)
 
-  register_implementation("counting_dense", counting_dense, keeps_rows=False)
+  register_implementation("counting_dense", counting_dense, takes_index=False)
   x, kernel = jnp.ones((6, 3)), jnp.ones((3, 2))
   grad = jax.grad(lambda k: sebp_jax.sebp_linear(x, k, top_n=2,
                                                  backend="counting_dense").sum())(kernel)
@@ -156,6 +156,11 @@ def test_a_registered_implementation_runs_in_the_op(monkeypatch):
   np.testing.assert_allclose(grad, jax.grad(lambda k: (x @ k).sum())(kernel))
   with pytest.raises(ValueError, match="not an implementation name"):
     register_implementation("auto", counting_dense)
+  with pytest.raises(ValueError, match="registered already"):
+    register_implementation("dense", counting_dense)
+  register_implementation("dense", counting_dense, takes_index=False, replace=True)
+  jax.grad(lambda k: sebp_jax.sebp_linear(x, k, top_n=6).sum())(kernel)  # nothing to skip
+  assert len(calls) == 2
 
 
 @pytest.mark.parametrize("num_rows", [16384, 4096, 1000, 77, 6, 0])

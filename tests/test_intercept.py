@@ -4,6 +4,8 @@ plain linen models.
 Tests that compare SEBP with dense ask for backend="xla": on a GPU "auto" runs these tiny
 layers dense, and a test must exercise the path it names on every machine."""
 
+from contextlib import nullcontext
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,8 +14,8 @@ import pytest
 from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
                           FlaxLlamaForCausalLM, LlamaConfig)
 
-from tests.model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
 from sebp_jax import use_sebp
+from tests.model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
 
 
 def _padded_batch(rng, batch, length, vocab):
@@ -45,7 +47,8 @@ def test_bert_gradients_equal_dense(tiny_bert, shared_index):
   num_real = int(mask.sum())
   kwargs = dict(top_n=num_real, active_mask=mask if shared_index else None, backend="xla")
   want = jax.grad(classification_loss(tiny_bert, ids, mask, labels))(tiny_bert.params)
-  got = jax.jit(jax.grad(classification_loss(tiny_bert, ids, mask, labels, kwargs)))(tiny_bert.params)
+  sebp_loss = classification_loss(tiny_bert, ids, mask, labels, kwargs)
+  got = jax.jit(jax.grad(sebp_loss))(tiny_bert.params)
   assert_every_gradient_close(got, want)
 
 
@@ -120,9 +123,9 @@ def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(3), 2, 8, 120)
   with use_sebp(top_n=int(mask.sum()), active_mask=mask, exclude=None) as report:
     tiny_bert(ids, attention_mask=mask)
-  # The pooler sees [B, H], not [B, L, H]: it selects its rows itself.
-  assert "bert/pooler/dense" in report.swapped
-  assert "bert/pooler/dense" not in report.shared_index
+  # The pooler and the classifier see [B, H], not the mask's [B, L] tokens: left dense.
+  assert report.skipped == {"bert/pooler/dense": "2 rows, not the 16 tokens of active_mask",
+                            "classifier": "2 rows, not the 16 tokens of active_mask"}
   assert len(report.shared_index) == 12 + 3  # and the three embedding lookups
 
 
@@ -316,3 +319,31 @@ def test_a_model_with_embeddings_only_is_not_an_error():
   with use_sebp(top_n=3) as report:
     Wrapper().apply(params, ids)
   assert report.embeddings == ["tokens"] and not report.swapped
+
+
+class PooledClassifier(nn.Module):
+  """Auto-named layers: a token layer, then a head on one pooled row per sequence."""
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.tanh(nn.Dense(8)(x)) * mask[..., None]
+    return nn.Dense(2)(h.sum(axis=1))
+
+
+def test_a_head_on_other_rows_than_the_mask_stays_dense():
+  rng = np.random.default_rng(10)
+  x = jnp.asarray(rng.standard_normal((8, 6, 5)), jnp.float32)
+  mask = jnp.asarray(np.arange(6)[None] < rng.integers(1, 6, (8, 1)), jnp.float32)
+  params = PooledClassifier().init(jax.random.key(0), x, mask)
+
+  def loss(params, sebp):
+    with use_sebp(top_n=0.85, active_mask=mask, backend="xla") if sebp else nullcontext():
+      return jnp.sum(PooledClassifier().apply(params, x, mask) ** 2)
+
+  assert mask.sum() <= 0.85 * mask.size  # the index covers every real token
+  with use_sebp(top_n=0.85, active_mask=mask) as report:
+    PooledClassifier().apply(params, x, mask)
+  assert report.swapped == ["Dense_0"] and report.shared_index == ["Dense_0"]
+  assert report.skipped == {"Dense_1": "8 rows, not the 48 tokens of active_mask"}
+  # The same fraction of the head's 8 rows would have dropped a sequence's gradient.
+  assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))

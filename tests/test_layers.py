@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from tests.reference import random_sparse_rows, reference_backward, relative_error
 from sebp_jax import SEBPDense, resolve_top_n
+from tests.reference import random_sparse_rows, reference_backward, relative_error
 
 
 def test_has_every_dense_attribute_with_the_same_defaults():
@@ -47,7 +47,7 @@ def test_float32_params_computed_in_low_precision_get_gradients_rounded_once(dty
   x = jnp.asarray(rng.standard_normal((2, 24, 16)), dtype)
   dy = random_sparse_rows(rng, 48, 12, 20, np.float32).reshape(2, 24, 12)
   dy = jnp.asarray(dy, dtype)
-  module = SEBPDense(12, dtype=dtype, top_n=24)
+  module = SEBPDense(12, dtype=dtype, top_n=24, backend="xla")
   params = module.init(jax.random.key(0), x)
   _, vjp = jax.vjp(lambda p, x: module.apply(p, x), params, x)
   d_params, dx = vjp(dy)
@@ -158,7 +158,7 @@ class ResidualLayer(nn.Module):
 
   @nn.compact
   def __call__(self, h, _):
-    kwargs = {"top_n": self.top_n} if self.dense_cls is SEBPDense else {}
+    kwargs = {"top_n": self.top_n, "backend": "xla"} if self.dense_cls is SEBPDense else {}
     return h + nn.tanh(self.dense_cls(h.shape[-1], name="dense", **kwargs)(h)), None
 
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.ad_checkpoint import print_saved_residuals
 
-from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
-                       relative_error)
 import sebp_jax
 from sebp_jax import SEBP_CHECKPOINT_NAME
+from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
+                             relative_error)
 
 # The SEBP backward under test. "auto" would run the dense backward on a GPU for layers this
 # small (see sebp_jax.cost_model), keeping every row.

@@ -8,15 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.reference import random_sparse_rows, reference_active_rows
 from sebp_jax import SEBPEmbed, active_rows_from_mask, sebp_embed_lookup
-
-
-def reference_table_grad(num_embeddings, ids, dy, rows):
-  """float64 d_table from the rows `rows` of dy only (ids flat [T], dy [T, F])."""
-  d_table = np.zeros((num_embeddings, dy.shape[1]))
-  np.add.at(d_table, ids[rows], np.asarray(dy, np.float64)[rows])
-  return d_table
+from tests.reference import random_sparse_rows, reference_active_rows, reference_table_grad
 
 
 def _problem(rng, shape=(3, 8), vocab=11, features=5, num_nonzero=7, dtype=np.float32):

@@ -6,19 +6,21 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 from tests.model_testing import assert_every_gradient_close
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _quick_start_blocks() -> list[str]:
-  section = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+def _python_blocks(heading: str) -> list[str]:
+  section = README.read_text().split(heading + "\n", 1)[1].split("\n#", 1)[0]
   return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
+@pytest.mark.slow
 def test_quick_start_runs_and_is_exact():
-  blocks = _quick_start_blocks()
+  blocks = _python_blocks("## Quick start")
   assert len(blocks) == 2
   scope = {}
   exec(compile("".join(blocks), str(README), "exec"), scope)
@@ -38,3 +40,14 @@ def test_quick_start_runs_and_is_exact():
     return optax.softmax_cross_entropy_with_integer_labels(logits, sentiment).mean()
 
   assert_every_gradient_close(scope["bert_grads"], jax.grad(bert_dense_loss)(bert.params))
+
+
+def test_the_ops_snippet_runs_after_the_quick_start():
+  scope = {}
+  exec(compile(_python_blocks("## Quick start")[0], str(README), "exec"), scope)
+  (ops,) = _python_blocks("### The ops and layers")
+  exec(compile(ops, str(README), "exec"), scope)
+  x, kernel, bias = scope["x"], scope["kernel"], scope["bias"]
+  assert jnp.array_equal(scope["y"], x @ kernel + bias)
+  table = scope["params"]["params"]["Embed_0"]["embedding"]
+  assert jnp.array_equal(scope["h"], table[scope["ids"]])

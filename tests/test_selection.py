@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.reference import random_sparse_rows, reference_active_rows
 from sebp_jax import row_scores, select_active_rows
+from tests.reference import random_sparse_rows, reference_active_rows
 
 
 def _kept(active_rows, num_rows):

@@ -47,7 +47,6 @@ def test_wikitext2_paragraphs():
   assert len(paragraphs) > 1000
   assert paragraphs[0].startswith("Homarus gammarus , known as the European lobster")
   assert not any(p.startswith("=") or not p or p != p.strip() for p in paragraphs)
-  assert load_wikitext2(limit=3) == paragraphs[:3]
 
 
 def test_default_data_dir_is_the_carried_data():
@@ -124,24 +123,14 @@ def test_smollm2_pad_is_eos(smollm2_tokenizer):
   assert smollm2_tokenizer.pad_token_id == smollm2_tokenizer.eos_token_id == 2
 
 
-def test_batches_shuffled_epoch():
+def test_batches_in_order_without_the_short_last_one():
   arrays = {"x": np.arange(10), "y": np.arange(10) * 2}
-  epoch = list(batches(arrays, 3, seed=0))
-  assert len(epoch) == 3  # drop_last skips the 10th example
-  seen = np.concatenate([batch["x"] for batch in epoch])
-  assert len(set(seen.tolist())) == 9 and not np.array_equal(seen, np.arange(9))
+  epoch = list(batches(arrays, 4))
+  assert [batch["x"].tolist() for batch in epoch] == [[0, 1, 2, 3], [4, 5, 6, 7]]
   for batch in epoch:
-    assert batch["x"].shape == (3,)
     np.testing.assert_array_equal(batch["y"], batch["x"] * 2)
-  np.testing.assert_array_equal(seen, np.concatenate([b["x"] for b in batches(arrays, 3, seed=0)]))
-  assert not np.array_equal(seen, np.concatenate([b["x"] for b in batches(arrays, 3, seed=1)]))
-
-
-def test_batches_in_order_keeping_last():
-  epoch = list(batches({"x": np.arange(10)}, 4, seed=0, shuffle=False, drop_last=False))
-  assert [batch["x"].tolist() for batch in epoch] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
 def test_batches_rejects_mismatched_lengths():
   with pytest.raises(ValueError, match="leading dimension"):
-    batches({"x": np.arange(4), "y": np.arange(5)}, 2, seed=0)
+    batches({"x": np.arange(4), "y": np.arange(5)}, 2)

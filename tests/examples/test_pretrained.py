@@ -101,7 +101,7 @@ def test_smollm2_greedy_predictions(smollm2, prompt, num_tokens, expected):
 
 def _wikitext_loss(model, params, tokenizer):
   """Mean next-token cross-entropy (nats) over the first LOSS_TOKENS tokens of WikiText-2."""
-  ids = np.asarray([tokenizer(load_wikitext2(limit=1)[0])["input_ids"][:LOSS_TOKENS]], np.int32)
+  ids = np.asarray([tokenizer(load_wikitext2()[0])["input_ids"][:LOSS_TOKENS]], np.int32)
   logits = model(ids, np.ones_like(ids), params=params).logits
   return float(optax.softmax_cross_entropy_with_integer_labels(logits[0, :-1], ids[0, 1:]).mean())
 
@@ -140,7 +140,7 @@ def test_smollm2_right_padding_leaves_real_positions_unchanged(smollm2):
 
 def test_smollm2_tokenizer_round_trips_text(smollm2):
   _, _, tokenizer = smollm2
-  for paragraph in load_wikitext2(limit=20):
+  for paragraph in load_wikitext2()[:20]:
     assert tokenizer.decode(tokenizer(paragraph)["input_ids"]) == paragraph
   # Control tokens are atomic, not split into bytes.
   chat_ids = tokenizer("<|im_start|>user")["input_ids"]
