@@ -25,6 +25,24 @@ from sebp_jax.selection import select_active_rows
 Array = jax.Array
 
 
+@jax.custom_jvp
+def first_order_only(dy: Array) -> Array:
+  """``dy`` as is, but refusing to be differentiated.
+
+  The backward keeps rows chosen from dY's values: differentiated again, it would treat that
+  choice as fixed and drop the tangents of the rows it skips, a silently wrong second order.
+  """
+  return dy
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise NotImplementedError(
+      "SEBP's backward cannot be differentiated (grad of grad, jax.hessian): its rows are "
+      "chosen from dY's values, so its derivative would drop the tangents of the rows it "
+      "skips. Differentiate twice with flax's own Dense/Embed (outside use_sebp).")
+
+
 def nan_if_not_finite(dy: Array) -> Array:
   """A float32 scalar: 0 if every element of ``dy: [T, F]`` is finite, else NaN.
 
@@ -32,9 +50,11 @@ def nan_if_not_finite(dy: Array) -> Array:
   relies on XLA's max propagating NaN, its default (the GPU flag
   ``--xla_gpu_enable_fast_min_max`` would break that).
   """
-  row_max = jnp.max(jnp.abs(dy), axis=1)  # NaN propagates through max; |Inf| * 0 is NaN.
+  # NaN propagates through max; |Inf| * 0 is NaN. The initial 0 is below every |value| and
+  # lets an empty dY through.
+  row_max = jnp.max(jnp.abs(dy), axis=1, initial=0)
   # Multiplied before the cast, so that a finite float64 value past float32's range stays 0.
-  return (jnp.max(row_max) * 0).astype(jnp.float32)
+  return (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
 
 
 def kept_rows(dy: Array, *, top_n: int, threshold: float,
@@ -80,6 +100,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int, threshold
   implementation = get_implementation(name)
   rows, poison = None, None
   if implementation.takes_index:
+    dy = first_order_only(dy)
     rows, poison = kept_rows(dy, top_n=top_n, threshold=threshold, active_rows=active_rows)
   return implementation.backward(x, kernel, dy, rows, with_bias=with_bias, precision=precision,
                                  poison=poison, dkernel_dtype=dkernel_dtype)
@@ -99,12 +120,15 @@ def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int
     ``[num_embeddings, F]`` in the accumulation dtype (float32 for 16-bit dY): the
     scatter-add of the kept rows of dY at their ids.
   """
+  accumulate = accumulation_dtype(dy.dtype)
+  if dy.shape[0] == 0:  # No rows: nothing to gather from.
+    return jnp.zeros((num_embeddings, dy.shape[1]), accumulate)
+  dy = first_order_only(dy)
   rows, poison = kept_rows(dy, top_n=top_n, threshold=threshold, active_rows=active_rows)
   # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
   # are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
   ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
   kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings)
-  accumulate = accumulation_dtype(dy.dtype)
   # The poison fills the whole table gradient, at no cost: the fill writes the table anyway.
   fill = 0 if poison is None else poison.astype(accumulate)
   return jnp.full((num_embeddings, dy.shape[1]), fill, accumulate).at[kept_ids].add(

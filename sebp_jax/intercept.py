@@ -7,8 +7,9 @@ SEBP backward. Nothing in the model's code or its params changes.
 
 It acts while a function is *traced*. A jitted function that was compiled before is not traced
 again, so entering ``use_sebp`` around a call to it would silently run the compiled dense
-version: the context raises when no layer went through it. Enter it inside the function being
-jitted, or decorate that function with it.
+version: the context raises when no layer went through it. The other way round, a function
+jitted inside the context keeps its SEBP program when called again outside it, for the same
+reason. Enter it inside the function being jitted, or decorate that function with it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from sebp_jax.ops import validate_backend, validate_threshold, validate_top_n
 from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
+
+#: The use_sebp contexts entered and not yet exited, in this process (at most one).
+_ACTIVE: list["use_sebp"] = []
 
 #: Every Dense layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
 #: the attention projections and MLP layers, the layers the SEBP paper swaps.
@@ -122,9 +126,12 @@ class use_sebp:
     embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
       gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
-    require_swaps: raise when the context ends without having swapped any layer, or with an
+    require_swaps: raise when the context ends without having swapped any layer, with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
-      function, or of patterns that match nothing).
+      function, or of patterns that match nothing), or with an ``active_mask`` that no layer
+      used.
+
+  Contexts do not nest: entering one while another is active raises.
   """
 
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
@@ -159,6 +166,12 @@ class use_sebp:
     return wrapped
 
   def __enter__(self) -> SEBPReport:
+    if _ACTIVE:
+      # Two interceptors would both see every layer; which one wins would depend on flax's
+      # interceptor order, and the loser's report would be wrong.
+      raise RuntimeError(
+          "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
+          "model call, with the options of all its layers (include/exclude pick layers).")
     if self.active_mask is not None:
       mask = jnp.asarray(self.active_mask)
       # Computed here, in the trace that entered the context, so that layers traced inside
@@ -167,10 +180,12 @@ class use_sebp:
     stack = contextlib.ExitStack()
     stack.enter_context(nn.intercept_methods(self._intercept))
     self._contexts.append(stack)
+    _ACTIVE.append(self)
     return self.report
 
   def __exit__(self, exc_type, exc, tb) -> None:
     self._contexts.pop().close()
+    _ACTIVE.pop()
     if exc_type is not None:
       return
     logger.info(self.report.summary())
@@ -185,6 +200,11 @@ class use_sebp:
           "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
           "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
           f"layer{' (' + skipped + ')' if skipped else ''}.")
+    if self.require_swaps and self.active_mask is not None and not self.report.shared_index:
+      raise RuntimeError(
+          f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
+          "no Dense input had it as its leading dimensions and no embedding's ids had its "
+          "shape. Pass the mask of the tokens the layers see (e.g. attention_mask [B, L]).")
 
   def _record(self, bucket: list[str], path: str) -> None:
     if path not in bucket:

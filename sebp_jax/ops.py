@@ -81,14 +81,27 @@ def validate_backend(backend: Any) -> str:
   return backend
 
 
-def validate_active_rows(active_rows: Any, top_n: int) -> Array | None:
-  """``active_rows`` as ``int32[top_n]`` (None stays None), or ValueError."""
+def validate_active_rows(active_rows: Any, top_n: int, num_rows: int) -> Array | None:
+  """``active_rows`` as ``int32[top_n]`` (None stays None), or ValueError.
+
+  The contract: row indices in ``[0, num_rows)``, strictly ascending, then the sentinel
+  ``num_rows`` in every unused slot. A concrete index is checked against it; a traced one
+  cannot be, and breaking the contract there counts a row twice or wraps it.
+  """
   if active_rows is None:
     return None
   active_rows = jnp.asarray(active_rows)
   if active_rows.shape != (top_n,) or not jnp.issubdtype(active_rows.dtype, jnp.integer):
     raise ValueError(f"active_rows must be an integer array of shape ({top_n},) (top_n), "
                      f"got {active_rows.dtype}{list(active_rows.shape)}")
+  if not isinstance(active_rows, jax.core.Tracer):
+    rows = np.asarray(active_rows, np.int64)
+    real = rows[rows != num_rows]
+    if (np.any(rows < 0) or np.any(rows > num_rows) or np.any(np.diff(real) <= 0)
+        or np.any(rows[len(real):] != num_rows)):
+      raise ValueError(
+          f"active_rows must hold row indices in [0, {num_rows}) in strictly ascending order, "
+          f"then the sentinel {num_rows} in unused slots, got {rows.tolist()}")
   return active_rows.astype(jnp.int32)
 
 
@@ -200,7 +213,10 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   # Integer arguments have no gradient of their own dtype to come back in: cast them here.
   x, kernel, bias = (a if a is None or jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(dtype)
                      for a in (x, kernel, bias))
-  active_rows = validate_active_rows(active_rows, top_n)
+  active_rows = validate_active_rows(active_rows, top_n, math.prod(x.shape[:-1]))
+  if backend == "pallas" and jnp.issubdtype(dtype, jnp.complexfloating):
+    raise ValueError(f"backend 'pallas' has no kernels for complex dtypes, got {dtype}: "
+                     "use backend 'xla' or 'auto'")
   config = _LinearConfig(top_n=top_n, threshold=threshold, precision=precision,
                          backend=backend, dtype=dtype,
                          grad_dtypes=(x.dtype, kernel.dtype, None if bias is None else bias.dtype))
@@ -278,7 +294,7 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
     raise ValueError(f"table must be 2-D [num_embeddings, features], got shape {table.shape}")
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
-  active_rows = validate_active_rows(active_rows, top_n)
+  active_rows = validate_active_rows(active_rows, top_n, ids.size)
   if active_rows is None and top_n >= ids.size:
     return _lookup(table, ids, dtype)
   return _sebp_lookup(table, ids, active_rows, _LookupConfig(top_n, threshold, dtype))

@@ -38,7 +38,8 @@ def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
     or Inf and ``-1`` for an inactive row; ``active`` is True for a row whose max ``|value|``
     exceeds ``threshold`` or that is not finite.
   """
-  dy32 = dy.astype(jnp.float32)
+  # A complex row is scored by the magnitudes of its entries, imaginary parts included.
+  dy32 = (jnp.abs(dy) if jnp.iscomplexobj(dy) else dy).astype(jnp.float32)
   squared_norm = jnp.sum(dy32 * dy32, axis=-1)
   max_abs = jnp.max(jnp.abs(dy32), axis=-1)
   # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose

@@ -8,7 +8,8 @@ import numpy as np
 
 def reference_active_rows(dy, top_n, threshold=0.0):
   """Sorted indices of the rows kept by SEBP's rule, computed in float64 (at most top_n)."""
-  dy = np.asarray(dy, np.float64)
+  dy = np.asarray(dy)
+  dy = np.abs(dy) if np.iscomplexobj(dy) else dy.astype(np.float64)  # magnitudes of complex
   with np.errstate(over="ignore", invalid="ignore"):
     squared_norm = (dy * dy).sum(axis=1)
     max_abs = np.abs(dy).max(axis=1) if dy.shape[1] else np.zeros(len(dy))
@@ -22,8 +23,9 @@ def reference_active_rows(dy, top_n, threshold=0.0):
 
 def reference_backward(x, kernel, dy, rows):
   """(dx, dkernel, dbias) in float64 from the rows `rows` of dy only; x/dy are [T, F]."""
-  x, kernel, dy = (np.asarray(a, np.float64) for a in (x, kernel, dy))
-  dx = np.zeros(x.shape)
+  dtype = np.complex128 if any(np.iscomplexobj(a) for a in (x, kernel, dy)) else np.float64
+  x, kernel, dy = (np.asarray(a, dtype) for a in (x, kernel, dy))
+  dx = np.zeros(x.shape, dtype)
   dx[rows] = dy[rows] @ kernel.T
   return dx, x[rows].T @ dy[rows], dy[rows].sum(axis=0)
 

@@ -98,3 +98,13 @@ def test_embedding_backward_scatters_the_kept_rows():
   poisoned = embedding_backward(ids, dy.at[20, 0].set(jnp.nan), num_embeddings=7, top_n=3,
                                 active_rows=index)
   assert np.all(np.isnan(poisoned))
+
+
+def test_empty_batches_with_an_index():
+  index = jnp.zeros((2,), jnp.int32)  # every slot the sentinel T = 0
+  dx, dkernel, _ = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),
+                                   top_n=2, active_rows=index, with_bias=True)
+  assert dx.shape == (0, 3) and not np.any(dkernel)
+  d_table = embedding_backward(jnp.zeros((0,), jnp.int32), jnp.ones((0, 2)), num_embeddings=4,
+                               top_n=2, active_rows=index)
+  assert d_table.shape == (4, 2) and not np.any(d_table)

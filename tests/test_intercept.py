@@ -347,3 +347,18 @@ def test_a_head_on_other_rows_than_the_mask_stays_dense():
   assert report.skipped == {"Dense_1": "8 rows, not the 48 tokens of active_mask"}
   # The same fraction of the head's 8 rows would have dropped a sequence's gradient.
   assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
+
+
+def test_contexts_do_not_nest_and_an_unused_mask_is_loud():
+  x = jnp.ones((2, 3, 5))
+  params = PlainMLP().init(jax.random.key(0), x, jnp.ones((2, 3)))
+  with use_sebp(top_n=4):
+    with pytest.raises(RuntimeError, match="already active"):
+      with use_sebp(top_n=4):
+        pass
+    PlainMLP().apply(params, x, jnp.ones((2, 3)))
+  with use_sebp(top_n=4):  # the failed inner one left nothing behind
+    PlainMLP().apply(params, x, jnp.ones((2, 3)))
+  with pytest.raises(RuntimeError, match=r"active_mask of shape \(3, 2\) matched no layer"):
+    with use_sebp(top_n=4, active_mask=jnp.ones((3, 2))):
+      PlainMLP().apply(params, x, jnp.ones((2, 3)))

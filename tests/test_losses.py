@@ -1,8 +1,11 @@
 """The masked causal-LM loss against a float64 numpy reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sebp_jax.losses import masked_causal_lm_loss
 
@@ -55,3 +58,28 @@ def test_no_real_target_gives_zero_not_nan():
   ids = np.zeros((2, 4), np.int32)
   mask = np.array([[1, 0, 0, 0], [0, 0, 0, 0]], np.int32)
   assert masked_causal_lm_loss(logits, ids, mask) == 0
+
+
+@pytest.mark.parametrize("capacity", [1, 6, 9, 30])
+def test_capacity_gives_the_same_loss_and_gradient(capacity):
+  """Rows of real targets gathered into `capacity` slots, or every row when they do not fit
+  (9 real targets here): the loss and its gradient are those of every row."""
+  rng = np.random.default_rng(capacity)
+  logits = jnp.asarray(rng.standard_normal((3, 7, 11)) * 3, jnp.float32)
+  ids = rng.integers(0, 11, size=(3, 7)).astype(np.int32)
+  mask = (np.arange(7)[None] < np.array([[6], [4], [2]])).astype(np.int32)
+  assert mask[:, 1:].sum() == 9
+  loss = jax.jit(functools.partial(masked_causal_lm_loss, capacity=capacity))
+  np.testing.assert_allclose(loss(logits, ids, mask), _reference(logits, ids, mask), rtol=1e-6)
+  got = jax.jit(jax.grad(functools.partial(masked_causal_lm_loss, capacity=capacity)))(
+      logits, ids, mask)
+  np.testing.assert_allclose(got, jax.grad(masked_causal_lm_loss)(logits, ids, mask),
+                             rtol=1e-6, atol=1e-7)
+  assert not np.any(got[1, 3:]) and not np.any(got[2, 1:])
+
+
+def test_capacity_must_be_a_static_positive_int():
+  logits, ids, mask = jnp.ones((1, 3, 4)), np.zeros((1, 3), np.int32), np.ones((1, 3), np.int32)
+  for capacity in (0, 2.5):
+    with pytest.raises(ValueError, match="capacity must be a positive Python int"):
+      masked_causal_lm_loss(logits, ids, mask, capacity=capacity)

@@ -273,3 +273,56 @@ def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
   assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
   g[skipped, 1] = np.inf
   assert np.isnan(np.asarray(grads(g)[1])).all()
+
+
+def test_differentiating_the_backward_again_is_refused():
+  rng = np.random.default_rng(13)
+  x, kernel, bias, g = _problem(rng, (12,), 4, 3, num_nonzero=5)
+  row_mask = jnp.asarray(g.any(axis=1, keepdims=True), jnp.float32)  # 5 rows carry loss
+  loss_of = lambda linear: lambda k: jnp.sum(jnp.tanh(linear(x, k, bias)) ** 2 * row_mask)
+  loss = loss_of(functools.partial(sebp_linear, top_n=6))
+  np.testing.assert_allclose(jax.grad(loss)(kernel), jax.grad(loss_of(dense_linear))(kernel),
+                             rtol=2e-5, atol=1e-6)  # first order: every active row kept
+  # Keeping every row, the backward is the dense one, and its own derivative is exact.
+  np.testing.assert_allclose(jax.hessian(loss_of(functools.partial(sebp_linear, top_n=12)))(
+      kernel), jax.hessian(loss_of(dense_linear))(kernel), rtol=2e-5, atol=1e-6)
+  with pytest.raises(NotImplementedError, match="cannot be differentiated"):
+    jax.hessian(loss)(kernel)
+  with pytest.raises(NotImplementedError, match="cannot be differentiated"):
+    jax.grad(lambda k: jnp.sum(jax.grad(loss)(k) ** 2))(kernel)
+  lookup = lambda t: jnp.sum(sebp_jax.sebp_embed_lookup(t, jnp.array([0, 2, 2]), top_n=2) ** 3)
+  with pytest.raises(NotImplementedError, match="cannot be differentiated"):
+    jax.hessian(lookup)(jnp.ones((4, 2)))
+
+
+def test_complex_rows_are_scored_by_their_magnitudes():
+  """A row of dY whose entries are purely imaginary is as active as a real one."""
+  rng = np.random.default_rng(14)
+  x = jnp.asarray(rng.standard_normal((6, 3)) + 1j * rng.standard_normal((6, 3)), jnp.complex64)
+  kernel = jnp.asarray(rng.standard_normal((3, 2)) + 1j * rng.standard_normal((3, 2)),
+                       jnp.complex64)
+  g = np.zeros((6, 2), np.complex64)
+  g[1] = [2j, -1j]  # imaginary only
+  g[4] = [1.0, 0.5 + 0.5j]
+  _, vjp = jax.vjp(lambda x, k: sebp_linear(x, k, top_n=2), x, kernel)
+  _, dense_vjp = jax.vjp(dense_linear, x, kernel)
+  for got, want, reference in zip(vjp(jnp.asarray(g)), dense_vjp(jnp.asarray(g)),
+                                  reference_backward(x, kernel, g, [1, 4])):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="no kernels for complex dtypes"):
+    sebp_jax.sebp_linear(x, kernel, top_n=2, backend="pallas")
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([3, 1, 6], "strictly ascending"),
+    ([1, 1, 6], "strictly ascending"),
+    ([-1, 2, 6], "in \\[0, 6\\)"),
+    ([2, 7, 6], "in \\[0, 6\\)"),
+    ([6, 2, 6], "sentinel 6 in unused slots"),
+])
+def test_a_concrete_index_is_checked_against_its_contract(rows, match):
+  x, kernel = jnp.ones((6, 2)), jnp.ones((2, 3))
+  with pytest.raises(ValueError, match=match):
+    sebp_linear(x, kernel, top_n=3, active_rows=jnp.array(rows))
+  sebp_linear(x, kernel, top_n=3, active_rows=jnp.array([0, 5, 6]))  # padded: accepted

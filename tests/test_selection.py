@@ -71,3 +71,12 @@ def test_property_matches_reference(num_rows, width, data):
   active_rows = select_active_rows(jnp.asarray(dy), top_n)
   np.testing.assert_array_equal(_kept(active_rows, num_rows), reference_active_rows(dy, top_n))
   assert np.all(np.asarray(active_rows)[len(_kept(active_rows, num_rows)):] == num_rows)
+
+
+def test_complex_rows_count_their_imaginary_parts():
+  dy = jnp.asarray([[0, 0], [3j, 0], [0, 1 + 1j], [0, 0]], jnp.complex64)
+  scores, active = row_scores(dy, 0.0)
+  np.testing.assert_array_equal(active, [False, True, True, False])
+  np.testing.assert_allclose(scores, [-1, 9, 2, -1], rtol=1e-6)
+  np.testing.assert_array_equal(select_active_rows(dy, 1), [1])
+  np.testing.assert_array_equal(reference_active_rows(dy, 1), [1])

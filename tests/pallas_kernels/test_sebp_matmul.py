@@ -165,7 +165,7 @@ def test_references_match_the_kernels():
 
 @pytest.mark.parametrize("blocks", [SMALL_BLOCKS, SPLIT_BLOCKS], ids=["one-split", "split"])
 def test_gathered_dw_db_float32_out(blocks):
-  # How sebp_jax.backends calls the kernel: bf16 operands, float32 sums stored as they are.
+  # How the pallas implementation calls the kernel: bf16 operands, float32 sums stored as they are.
   rng = np.random.default_rng(21)
   x = _random(rng, (100, 40), jnp.bfloat16)
   dy = _random(rng, (100, 72), jnp.bfloat16)
