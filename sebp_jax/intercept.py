@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import re
+import threading
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -32,8 +33,8 @@ from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
 
-#: The use_sebp contexts entered and not yet exited, in this process (at most one).
-_ACTIVE: list["use_sebp"] = []
+#: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
+_ACTIVE = threading.local()
 
 #: Every Dense layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
 #: the attention projections and MLP layers, the layers the SEBP paper swaps.
@@ -166,7 +167,7 @@ class use_sebp:
     return wrapped
 
   def __enter__(self) -> SEBPReport:
-    if _ACTIVE:
+    if getattr(_ACTIVE, "context", None) is not None:
       # Two interceptors would both see every layer; which one wins would depend on flax's
       # interceptor order, and the loser's report would be wrong.
       raise RuntimeError(
@@ -180,12 +181,12 @@ class use_sebp:
     stack = contextlib.ExitStack()
     stack.enter_context(nn.intercept_methods(self._intercept))
     self._contexts.append(stack)
-    _ACTIVE.append(self)
+    _ACTIVE.context = self
     return self.report
 
   def __exit__(self, exc_type, exc, tb) -> None:
     self._contexts.pop().close()
-    _ACTIVE.pop()
+    _ACTIVE.context = None
     if exc_type is not None:
       return
     logger.info(self.report.summary())
