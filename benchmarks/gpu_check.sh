@@ -39,6 +39,7 @@ for step in $steps; do
       INTERPRET=0 timeout 500 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels \
         tests/test_implementations.py tests/test_backward.py tests/test_cost_model.py \
         tests/test_ops.py tests/test_ops_embed.py tests/test_layers.py tests/test_intercept.py \
+        tests/test_packing.py tests/test_model_families.py tests/test_losses.py \
         2>&1 | tee "$out/tests.log" | tail -25 || status=1 ;;
     tune)
       timeout 300 python3 -m benchmarks.tune_blocks --out "$out/tune.jsonl" ${TUNE_ARGS:-} \

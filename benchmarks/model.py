@@ -8,6 +8,12 @@ analysis: arguments + outputs + temporaries - aliased).
 
 Modes:
   dense          fixed padding, dense backward
+  dense_fast_attention  fixed padding, dense, the attention core replaced by a length-aware
+                 fused one (cuDNN flash attention given each sequence's length on NVIDIA
+                 GPUs; XLA elsewhere): what a user gets without this library
+  sebp_packed    ``use_sebp(packed=True)``: the encoder / decoder stack and the LM head on the
+                 real tokens only (capacity: ``token_capacity``, real tokens rounded up to
+                 128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``)
   sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch)
   sebp_shared    fixed padding, SEBP with one index from the attention mask
   sebp_dense_only  the same, with the embedding lookups left dense (SEBP on Dense layers only)
@@ -19,8 +25,8 @@ Modes:
   sebp_lm_head   sebp_shared with the LM head swapped too (``use_sebp(lm_head=True)``; exact
                  under the masked causal-LM loss; Llama only)
   bound_lm_head  the bound of sebp_lm_head: the LM head's matmuls removed too (Llama only)
-  longest_dense  batch padded only to its longest sequence (rounded up to 64), dense
-  longest_sebp   the same, SEBP with the shared index
+  longest_<mode> the batch padded only to its longest sequence (rounded up to 64), in <mode>
+                 (dense, dense_fast_attention, sebp_shared, sebp_packed)
 
     python -m benchmarks.model --model bert --out bert.jsonl
     python -m benchmarks.model --model llama --out llama.jsonl
@@ -46,13 +52,16 @@ from jax import lax
 from tqdm import tqdm
 
 from benchmarks.harness import append_json_lines, median_ms, parse_subset, record
-from sebp_jax import use_sebp
+from sebp_jax import model_families, use_sebp
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.packing import fused_attention_implementation, token_capacity
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
-MODES = ("dense", "sebp_layer", "sebp_shared", "sebp_dense_only", "sebp_floor", "bound",
-         "sebp_lm_head", "bound_lm_head", "longest_dense", "longest_sebp")
+LONGEST = "longest_"
+MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_shared", "sebp_dense_only",
+         "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
+         *(LONGEST + m for m in ("dense", "dense_fast_attention", "sebp_shared", "sebp_packed")))
 #: Modes that need a language-model head.
 LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head")
 FLOOR_ROWS = 16
@@ -162,10 +171,42 @@ def linear_backward_removed(lm_head: bool):
     yield
 
 
-def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
+@contextlib.contextmanager
+def length_aware_attention(lengths):
+  """Every attention module of a supported transformers family computes its attention with
+  ``jax.nn.dot_product_attention`` given each sequence's length (right padding), fused
+  where :func:`~sebp_jax.packing.fused_attention_implementation` says it runs."""
+  def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate):
+    if window is not None or dropout_rate:
+      raise NotImplementedError("no sliding window or dropout in this baseline")
+    return jax.nn.dot_product_attention(
+        query, key, value, is_causal=causal, query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=fused_attention_implementation(query))
+
+  def interceptor(next_fun, args, kwargs, context):
+    family = model_families.attention_family(context.module)
+    if context.method_name == "__call__" and family is not None:
+      return model_families.run_attention(family, context.module, args, kwargs, attention_core)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
+              capacity: int | None = None):
+  """The loss of ``mode``; ``top_n`` (real tokens) for SEBP, ``capacity`` (at least the real
+  tokens) for packing."""
+  mode = mode.removeprefix(LONGEST)
+
   def context(batch):
     mask = batch["attention_mask"]
-    if mode in ("sebp_shared", "longest_sebp", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
+    if mode == "sebp_packed":
+      return use_sebp(top_n=capacity, backend=backend, active_mask=mask, packed=True)
+    if mode == "dense_fast_attention":
+      return length_aware_attention(jnp.sum(mask, axis=1, dtype=jnp.int32))
+    if mode in ("sebp_shared", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
       return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, backend=backend,
                       active_mask=mask, embeddings=mode != "sebp_dense_only",
                       lm_head=mode == "sebp_lm_head")
@@ -187,7 +228,8 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str):
     if kind == "bert":
       return optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), batch["labels"]).mean()
-    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"])
+    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
+                                 capacity=capacity if mode == "sebp_packed" else None)
   return loss_fn
 
 
@@ -211,8 +253,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
     modes = [m for m in modes if m not in LM_HEAD_MODES]
   rows = []
   for mode in tqdm(modes, desc=kind, file=sys.stdout):
-    mode_batch = cut_to_longest(batch) if mode.startswith("longest") else batch
-    loss_fn = make_loss(kind, model, mode, top_n, backend)
+    mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
+    loss_fn = make_loss(kind, model, mode, top_n, backend,
+                        token_capacity(mode_batch["attention_mask"]))
 
     def step(params, opt_state, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -227,13 +270,14 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
     rows.append(record(
         model=kind, setup=setup.name, mode=mode, tiny=tiny, batch_size=setup.batch_size,
         padded_length=mode_batch["input_ids"].shape[1], real_tokens=top_n,
-        rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms,
+        rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
         backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
         compute_dtype="bfloat16", repeats=repeats, backend=backend))
   dense = next((r for r in rows if r["mode"] == "dense"), None)
   for row in rows:
     if dense:
       row["backward_speedup_vs_dense"] = dense["backward_ms"] / row["backward_ms"]
+      row["grad_speedup_vs_dense"] = dense["grad_ms"] / row["grad_ms"]
       row["step_speedup_vs_dense"] = dense["step_ms"] / row["step_ms"]
       if dense["peak_bytes"] and row["peak_bytes"]:
         row["peak_memory_vs_dense"] = row["peak_bytes"] / dense["peak_bytes"]
@@ -241,14 +285,15 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':6} {'mode':15} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} "
-            f"{'bwd x':>6} {'step x':>6} {'mem/dense':>9}")
+  header = (f"{'model':6} {'mode':28} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'grad ms':>8} "
+            f"{'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x':>6} {'mem/dense':>9}")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['model']:6} {r['mode']:15} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
-          f"{r['backward_ms']:8.2f} {r['step_ms']:8.2f} "
+    print(f"{r['model']:6} {r['mode']:28} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
+          f"{r['backward_ms']:8.2f} {r['grad_ms']:8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
+          f"{r.get('grad_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('step_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('peak_memory_vs_dense', float('nan')):9.3f}")
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from benchmarks.harness import parse_subset
 from benchmarks.model import MODES, SETUPS, build_model, make_batch, make_loss, setup_for
 from sebp_jax.implementations import implementation_names
+from sebp_jax.packing import token_capacity
 
 
 def device_time_by_name(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
@@ -59,7 +60,9 @@ def main(argv=None):
   top_n = int(batch["attention_mask"].sum())
   report = {}
   for mode in args.modes:
-    grad = jax.jit(jax.grad(make_loss(args.model, model, mode, top_n, args.backend)))
+    loss_fn = make_loss(args.model, model, mode, top_n, args.backend,
+                        token_capacity(batch["attention_mask"]))
+    grad = jax.jit(jax.grad(loss_fn))
     jax.block_until_ready(grad(model.params, batch))
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):

@@ -45,6 +45,9 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                       help="folder holding sst2/ and wikitext2/")
   parser.add_argument("--out", type=pathlib.Path, default=out,
                       help="folder for the plot and summary.json")
+  parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                      help="the SEBP run also packs the model's layers onto the real tokens "
+                           "(use_sebp(packed=True)): padding costs nothing in the whole step")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
@@ -126,13 +129,15 @@ def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], tit
   plt.close(fig)
 
 
-def backward_speedup(timings: dict[str, dict[str, float]], repeats: int) -> float:
-  """Prints and returns dense / SEBP backward time from :func:`time_forward_backward`."""
-  ratio = timings["dense"]["backward_ms"] / timings["sebp"]["backward_ms"]
-  step = timings["dense"]["forward_backward_ms"] / timings["sebp"]["forward_backward_ms"]
-  print(f"backward time, dense / SEBP: {ratio:.2f}x (forward + backward: {step:.2f}x; "
-        f"{jax.devices()[0].device_kind}, median of {repeats})")
-  return ratio
+def speedups(timings: dict[str, dict[str, float]], repeats: int) -> dict[str, float]:
+  """Prints and returns dense / SEBP time of the backward and of the gradient (forward +
+  backward) from :func:`time_forward_backward`."""
+  ratios = {stage: timings["dense"][f"{stage}_ms"] / timings["sebp"][f"{stage}_ms"]
+            for stage in ("backward", "forward_backward")}
+  print(f"time, dense / SEBP: gradient (forward + backward) {ratios['forward_backward']:.2f}x, "
+        f"backward {ratios['backward']:.2f}x ({jax.devices()[0].device_kind}, "
+        f"median of {repeats})")
+  return ratios
 
 
 def max_loss_difference(losses: dict[str, list[float]]) -> float:

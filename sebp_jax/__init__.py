@@ -6,13 +6,16 @@ of the output gradient (padding rows are zero), cutting the backward FLOPs to N/
 Layout: :mod:`~sebp_jax.selection` (which rows) -> :mod:`~sebp_jax.implementations` (dense,
 xla, pallas, by name) and :mod:`~sebp_jax.cost_model` (which one) -> :mod:`~sebp_jax.backward`
 (the one entry point) -> :mod:`~sebp_jax.ops` (the custom-VJP ops) -> :mod:`~sebp_jax.layers`
-and :mod:`~sebp_jax.intercept` (Linen).
+and :mod:`~sebp_jax.intercept` (Linen). Packing (``use_sebp(packed=True)``): the layout and
+per-sequence attention in :mod:`~sebp_jax.packing`, the transformers model families it knows
+in :mod:`~sebp_jax.model_families`; :mod:`~sebp_jax.losses` for losses on real rows.
 """
 
 from sebp_jax.implementations import register_implementation
 from sebp_jax.intercept import SEBPReport, use_sebp
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n
 from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_embed_lookup, sebp_linear
+from sebp_jax.packing import token_capacity
 from sebp_jax.selection import active_rows_from_mask, row_scores, select_active_rows
 
 __all__ = [
@@ -27,5 +30,6 @@ __all__ = [
     "select_active_rows",
     "sebp_embed_lookup",
     "sebp_linear",
+    "token_capacity",
     "use_sebp",
 ]

@@ -27,14 +27,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sebp_jax import model_families
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n, sebp_dense_call, sebp_embed_call
 from sebp_jax.ops import validate_backend, validate_threshold, validate_top_n
+from sebp_jax.packing import (PackedLayout, gather_tokens, pack_layout, packed_attention,
+                              scatter_tokens)
 from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
 
 #: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
 _ACTIVE = threading.local()
+_NOT_PACKED = object()
 
 #: Every Dense layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
 #: the attention projections and MLP layers, the layers the SEBP paper swaps.
@@ -57,12 +61,16 @@ class SEBPReport:
 
   ``swapped`` lists the ``nn.Dense`` layers, ``embeddings`` the ``nn.Embed`` lookups that run
   with the SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the
-  Dense layers (and embeddings) left dense, with the reason.
+  Dense layers (and embeddings) left dense, with the reason. With ``packed=True``, ``packed``
+  lists the modules run on the real tokens only (a model's encoder or decoder stack, its
+  language-model head) in ``capacity`` slots; the layers inside them are not listed apart.
   """
   swapped: list[str] = dataclasses.field(default_factory=list)
   embeddings: list[str] = dataclasses.field(default_factory=list)
   shared_index: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+  packed: list[str] = dataclasses.field(default_factory=list)
+  capacity: int | None = None
 
   @property
   def num_swapped(self) -> int:
@@ -70,8 +78,10 @@ class SEBPReport:
     return len(self.swapped)
 
   def summary(self) -> str:
-    return (f"use_sebp: {self.num_swapped} Dense layers and {len(self.embeddings)} embeddings "
-            f"swapped ({len(self.shared_index)} on the shared mask index), "
+    packed = (f"{', '.join(self.packed)} packed into {self.capacity} token slots; "
+              if self.packed else "")
+    return (f"use_sebp: {packed}{self.num_swapped} Dense layers and {len(self.embeddings)} "
+            f"embeddings swapped ({len(self.shared_index)} on the shared mask index), "
             f"{len(self.skipped)} left dense")
 
 
@@ -127,10 +137,25 @@ class use_sebp:
     embeddings: also give ``nn.Embed`` lookups (not ``attend``) the SEBP backward: the table's
       gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
+    packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
+      (BERT, RoBERTa) or decoder stack (Llama, Mistral, embeddings and final norm included)
+      gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
+      for decoders, each token at its own position; cuDNN flash attention on NVIDIA GPUs in
+      16-bit, XLA elsewhere) and scatters its outputs back, so they keep their shapes, with
+      zeros at padding. Language-model heads (:data:`LM_HEAD`) run on those tokens too.
+      Layers outside (BERT's embeddings, poolers, heads) keep what the other options say.
+      Exact under the conditions of the shared index: the outputs are read at real tokens
+      only. Any mask layout works (left padding, holes). A batch with more real tokens than
+      ``top_n`` is never cut: a concrete mask raises at once, and under ``jit`` the packed
+      outputs are NaN. Pick ``top_n`` on the host with :func:`sebp_jax.token_capacity` and
+      pass it to the jitted step as a static argument. Dropout draws its random
+      masks on the packed rows, so they fall elsewhere than in the padded batch; the
+      attention probabilities are then materialised (no fused kernel has dropout).
+      ``output_attentions``, decoding caches and cross-attention are refused.
     require_swaps: raise when the context ends without having swapped any layer, with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
       function, or of patterns that match nothing), or with an ``active_mask`` that no layer
-      used.
+      used; with ``packed=True``, when no supported model was packed.
 
   Contexts do not nest: entering one while another is active raises.
   """
@@ -138,8 +163,12 @@ class use_sebp:
   def __init__(self, top_n: int | float, threshold: float = 0.0, *,
                include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
                active_mask: jax.Array | None = None, backend: str = "auto",
-               embeddings: bool = True, lm_head: bool = False, require_swaps: bool = True):
+               embeddings: bool = True, lm_head: bool = False, packed: bool = False,
+               require_swaps: bool = True):
     validate_top_n(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
+    if packed and active_mask is None:
+      raise ValueError("use_sebp(packed=True) needs active_mask: the [B, L] mask of the real "
+                       "tokens to pack")
     self.top_n = top_n
     self.threshold = validate_threshold(threshold)
     self.include = re.compile(include)
@@ -148,15 +177,21 @@ class use_sebp:
     self.active_mask = active_mask
     self.backend = validate_backend(backend)
     self.embeddings = embeddings
+    self.packed = packed
     self.require_swaps = require_swaps
     self.report = SEBPReport()
     self._contexts: list[contextlib.ExitStack] = []
     self._shared_rows: jax.Array | None = None
+    self._layout: PackedLayout | None = None
+    # The family whose region is running, and whether one ran in this context.
+    self._region_family: model_families.PackedFamily | None = None
+    self._packed_a_region = False
 
   def _fresh_copy(self) -> "use_sebp":
     # Each call of a decorated function gets its own context and report.
     fresh = use_sebp.__new__(use_sebp)
-    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _contexts=[], _shared_rows=None)
+    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _contexts=[], _shared_rows=None,
+                          _layout=None, _region_family=None, _packed_a_region=False)
     return fresh
 
   def __call__(self, fn: Callable) -> Callable:
@@ -177,7 +212,12 @@ class use_sebp:
       mask = jnp.asarray(self.active_mask)
       # Computed here, in the trace that entered the context, so that layers traced inside
       # nn.scan / nn.remat close over it instead of leaking an inner tracer out.
-      self._shared_rows = active_rows_from_mask(mask, resolve_top_n(self.top_n, mask.size))
+      top_n = resolve_top_n(self.top_n, mask.size)
+      self._shared_rows = active_rows_from_mask(mask, top_n)
+      if self.packed:
+        # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
+        self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
+        self.report.capacity = top_n
     stack = contextlib.ExitStack()
     stack.enter_context(nn.intercept_methods(self._intercept))
     self._contexts.append(stack)
@@ -190,6 +230,13 @@ class use_sebp:
     if exc_type is not None:
       return
     logger.info(self.report.summary())
+    if self.packed and self.require_swaps and not self._packed_a_region:
+      raise RuntimeError(
+          "use_sebp(packed=True) packed nothing: no module of a supported model ran "
+          f"({model_families.SUPPORTED}, from transformers), or the function was compiled "
+          "before. Use it around such a model's call, inside the traced function.")
+    if self.report.packed:
+      return
     # A model may have embeddings only; but an include of one's own that matches no Dense
     # layer is a typo.
     include_given = self.include.pattern != DEFAULT_INCLUDE
@@ -254,7 +301,43 @@ class use_sebp:
       return "one-row embedding (a broadcast, no lookup)"
     return None
 
+  def _intercept_packed(self, next_fun, args, kwargs, context) -> Any:
+    """The packed path: a region runs on packed tokens, its attention per sequence, every
+    other module inside it as it is; an LM head outside it on the real tokens.
+    :data:`_NOT_PACKED` for a module packing leaves to :meth:`_intercept`."""
+    module = context.module
+    if context.method_name != "__call__":
+      return _NOT_PACKED
+    if self._region_family is not None:
+      if model_families.attention_family(module) is self._region_family:
+        return model_families.run_attention(
+            self._region_family, module, args, kwargs,
+            functools.partial(packed_attention, layout=self._layout))
+      return next_fun(*args, **kwargs)
+    family = model_families.region_family(module)
+    if family is not None:
+      self._record(self.report.packed, module_path(module))
+      self._region_family, self._packed_a_region = family, True
+      try:
+        return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
+      finally:
+        self._region_family = None
+    path = module_path(module)
+    # A head on a packed region's outputs (zero at padding) gives the same rows packed; a
+    # head of a model packing does not know (Bart, T5) may read other tokens.
+    if (self._packed_a_region and isinstance(module, nn.Dense) and module.path
+        and _LM_HEAD.search(path)):
+      (inputs,) = args or (kwargs["inputs"],)
+      if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
+        self._record(self.report.packed, path)
+        return scatter_tokens(next_fun(gather_tokens(inputs, self._layout)), self._layout)
+    return _NOT_PACKED
+
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
+    if self._layout is not None:
+      out = self._intercept_packed(next_fun, args, kwargs, context)
+      if out is not _NOT_PACKED:
+        return out
     module = context.module
     is_dense = isinstance(module, nn.Dense)
     is_embed = self.embeddings and isinstance(module, nn.Embed)

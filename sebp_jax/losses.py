@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from sebp_jax.ops import validate_top_n
 
@@ -16,41 +15,40 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
 
   Args:
     logits: ``[B, L, V]`` predictions for each position.
-    input_ids: ``[B, L]`` tokens, right-padded.
+    input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes).
     attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
-    capacity: optional static count of rows (of the ``B * (L - 1)`` predictions) for the
-      log-softmax over the vocabulary: the rows whose target is real are gathered into
-      ``[capacity, V]`` and only those are normalised, instead of every row, padding
-      included. A batch with more such rows than ``capacity`` takes the computation over
-      every row instead (``lax.cond``), so the loss is exact for any batch. The real tokens
-      of the batch (``attention_mask.sum()``) always suffice.
+    capacity: optional static count of rows for the log-softmax over the vocabulary: the
+      positions whose target is real are gathered into ``[capacity, V]`` and only those are
+      normalised (forward and backward) instead of every position, padding included. The
+      real tokens of the batch (``attention_mask.sum()``, the packing capacity of
+      ``use_sebp(packed=True)``) always suffice. A batch with more such positions than
+      ``capacity`` gets a NaN loss and gradient, never a silently partial one (an exact
+      fallback would be a run-time branch, ``lax.cond``, in every step, which stalls the
+      GPU's queue; :func:`sebp_jax.token_capacity` picks a capacity on the host).
 
   Returns:
-    Scalar: position t predicts token t + 1, counted where token t + 1 is real. Padding
+    Scalar: position t predicts token t + 1, counted where tokens t and t + 1 are real. Padding
     positions get exactly zero weight, so their rows of every layer's output gradient are
     exactly zero (what SEBP with a shared mask index relies on).
   """
-  logits, labels = logits[:, :-1], input_ids[:, 1:]
-  weights = attention_mask[:, 1:].astype(jnp.float32)
-  count = jnp.maximum(jnp.sum(weights), 1.0)
-
-  def on_every_row():
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                                 labels)
-    return jnp.sum(token_loss * weights)
-
-  if capacity is None:
-    return on_every_row() / count
-  capacity = validate_top_n(capacity, "capacity")
-  num_rows = weights.size
-
-  def on_real_rows():
-    # Sentinel slots (row num_rows) read zero logits, label 0 and weight 0.
-    (rows,) = jnp.nonzero(weights.reshape(num_rows), size=capacity, fill_value=num_rows)
-    kept = lambda a: jnp.take(a.reshape(num_rows, -1), rows, axis=0, mode="fill", fill_value=0)
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(
-        kept(logits).astype(jnp.float32), kept(labels)[:, 0])
-    return jnp.sum(token_loss * kept(weights)[:, 0])
-
-  total = lax.cond(jnp.sum(weights) <= capacity, on_real_rows, on_every_row)
-  return total / count
+  batch, length, vocab = logits.shape
+  # Targets and weights on all L positions (the last one weighs 0), so that the logits are
+  # read in place rather than copied without their last column.
+  labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1))).reshape(-1)
+  # A prediction counts when both its position and its target are real tokens: with left
+  # padding or holes, a padding position before a real token predicts nothing.
+  real = attention_mask != 0
+  weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).reshape(-1)
+  weights = weights.astype(jnp.float32)
+  num_targets = jnp.sum(weights)
+  rows = logits.reshape(batch * length, vocab)
+  if capacity is not None:
+    capacity = validate_top_n(capacity, "capacity")
+    # Unused slots read row R (out of range): zero logits, label 0, weight 0.
+    (kept,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
+    take = lambda a: jnp.take(a, kept, axis=0, mode="fill", fill_value=0,
+                              indices_are_sorted=True)
+    rows, labels = take(rows), take(labels)
+    weights = jnp.where(num_targets > capacity, jnp.nan, take(weights))
+  token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32), labels)
+  return jnp.sum(token_loss * weights) / jnp.maximum(num_targets, 1.0)

@@ -23,11 +23,11 @@ def classification_loss(model, ids, mask, labels, sebp_kwargs=None):
   return loss
 
 
-def causal_lm_loss(model, ids, mask, sebp_kwargs=None):
+def causal_lm_loss(model, ids, mask, sebp_kwargs=None, capacity=None):
   def loss(params):
     with _context(sebp_kwargs):
       logits = model(ids, attention_mask=mask, params=params).logits
-    return masked_causal_lm_loss(logits, ids, mask)
+    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
   return loss
 
 

@@ -12,18 +12,21 @@ import numpy as np
 import pytest
 
 from benchmarks import harness, layer, model, selection, tune_blocks
+from sebp_jax.packing import token_capacity
 
 
 @pytest.mark.slow
 def test_model_benchmark_records(tmp_path):
   out = tmp_path / "model.jsonl"
-  rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared,bound",
+  modes = ["dense", "sebp_shared", "bound", "sebp_packed", "longest_dense_fast_attention"]
+  rows = model.main(["--tiny", "--model", "bert", "--modes", ",".join(modes),
                      "--repeats", "1", "--out", str(out)])
-  assert [r["mode"] for r in rows] == ["dense", "sebp_shared", "bound"]
-  assert len(out.read_text().splitlines()) == 3
+  assert [r["mode"] for r in rows] == modes
+  assert len(out.read_text().splitlines()) == len(modes)
   for row in rows:
     assert row["backward_ms"] > 0 and row["step_ms"] > 0
     assert math.isfinite(row["backward_speedup_vs_dense"])
+    assert math.isfinite(row["grad_speedup_vs_dense"])
     assert 0 < row["real_tokens"] < row["rows"]
 
 
@@ -46,6 +49,25 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
   bound_lm_head = model.make_loss("llama", llama, "bound_lm_head", top_n, "auto")
   grads = jax.grad(bound_lm_head)(llama.params, batch)
   assert not np.any(grads["lm_head"]["kernel"]) and not np.any(grads["model"]["norm"]["weight"])
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
+  """The baselines and packing the benchmark times compute the dense loss and gradient."""
+  setup = model.setup_for(kind, tiny=True)
+  net = model.build_model(kind, tiny=True, dtype=jnp.float32)
+  batch = model.make_batch(kind, net, setup, seed=1)
+  top_n = int(batch["attention_mask"].sum())
+  dense = jax.value_and_grad(model.make_loss(kind, net, "dense", top_n, "auto"))
+  want_loss, want = dense(net.params, batch)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+  for mode in ("dense_fast_attention", "sebp_packed"):
+    loss_fn = model.make_loss(kind, net, mode, top_n, "auto",
+                              capacity=token_capacity(batch["attention_mask"], 16))
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(net.params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(got, expected, atol=2e-5 * scale)
 
 
 @pytest.mark.slow

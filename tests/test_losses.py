@@ -17,7 +17,7 @@ def _reference(logits, ids, mask):
   total, count = 0.0, 0
   for b in range(ids.shape[0]):
     for t in range(ids.shape[1] - 1):
-      if mask[b, t + 1]:
+      if mask[b, t] and mask[b, t + 1]:
         total -= log_probs[b, t, ids[b, t + 1]]
         count += 1
   return total / max(count, 1)
@@ -60,10 +60,26 @@ def test_no_real_target_gives_zero_not_nan():
   assert masked_causal_lm_loss(logits, ids, mask) == 0
 
 
-@pytest.mark.parametrize("capacity", [1, 6, 9, 30])
+def test_left_padding_and_holes_count_real_pairs_only():
+  """A padding position before a real token predicts nothing: with left padding or holes,
+  only predictions from a real token of a real token count, and padding gets no gradient."""
+  rng = np.random.default_rng(5)
+  logits = jnp.asarray(rng.standard_normal((3, 8, 11)) * 2, jnp.float32)
+  ids = rng.integers(0, 11, size=(3, 8)).astype(np.int32)
+  mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 0, 0]],
+                  np.int32)
+  want = _reference(logits, ids, mask)
+  for capacity in (None, int(mask.sum())):
+    loss_fn = functools.partial(masked_causal_lm_loss, capacity=capacity)
+    np.testing.assert_allclose(loss_fn(logits, ids, mask), want, rtol=1e-6)
+    grad = jax.grad(loss_fn)(logits, ids, mask)
+    assert not np.any(np.asarray(grad)[mask == 0])
+
+
+@pytest.mark.parametrize("capacity", [9, 10, 30])
 def test_capacity_gives_the_same_loss_and_gradient(capacity):
-  """Rows of real targets gathered into `capacity` slots, or every row when they do not fit
-  (9 real targets here): the loss and its gradient are those of every row."""
+  """Rows of real targets gathered into `capacity` slots (9 real targets here): the loss and
+  its gradient are those of every row, zero on padding."""
   rng = np.random.default_rng(capacity)
   logits = jnp.asarray(rng.standard_normal((3, 7, 11)) * 3, jnp.float32)
   ids = rng.integers(0, 11, size=(3, 7)).astype(np.int32)
@@ -76,6 +92,19 @@ def test_capacity_gives_the_same_loss_and_gradient(capacity):
   np.testing.assert_allclose(got, jax.grad(masked_causal_lm_loss)(logits, ids, mask),
                              rtol=1e-6, atol=1e-7)
   assert not np.any(got[1, 3:]) and not np.any(got[2, 1:])
+
+
+@pytest.mark.parametrize("capacity", [1, 8])
+def test_capacity_too_small_gives_nan_not_a_partial_loss(capacity):
+  """More real targets (9) than slots: the loss and its gradient are NaN, not a loss over
+  the targets that fit."""
+  rng = np.random.default_rng(capacity)
+  logits = jnp.asarray(rng.standard_normal((3, 7, 11)), jnp.float32)
+  ids = rng.integers(0, 11, size=(3, 7)).astype(np.int32)
+  mask = (np.arange(7)[None] < np.array([[6], [4], [2]])).astype(np.int32)
+  loss_fn = jax.jit(functools.partial(masked_causal_lm_loss, capacity=capacity))
+  assert np.isnan(loss_fn(logits, ids, mask))
+  assert np.isnan(jax.grad(loss_fn)(logits, ids, mask)).any()
 
 
 def test_capacity_must_be_a_static_positive_int():

@@ -17,6 +17,12 @@ def test_llama_example_lm_head_flag():
   assert not finetune_llama.parse_args(["--no-lm-head"]).lm_head
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
+def test_examples_pack_unless_told_not_to(example):
+  assert example.parse_args([]).packed
+  assert not example.parse_args(["--no-packed"]).packed
+
+
 def test_counts_must_be_positive(capsys):
   with pytest.raises(SystemExit):
     finetune_llama.parse_args(["--steps", "0"])

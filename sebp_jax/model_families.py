@@ -1,0 +1,185 @@
+"""The transformers Flax model families that ``use_sebp(packed=True)`` runs on real tokens only.
+
+Each family names a *region*, the module whose call runs packed (its token input gathered into
+``[1, C]`` on entry, its outputs scattered back to ``[B, L]`` on exit), and the attention
+modules inside it, whose call is replaced by the same projections and
+:func:`sebp_jax.packing.packed_attention`. Every other module in the region (Dense, norms,
+MLPs, embeddings) runs its own code on the packed rows. Modules are recognised by class name
+and by a class module under ``transformers.models.``, so importing this module does not import
+transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from sebp_jax.packing import PackedLayout, checked_against, gather_tokens, scatter_tokens
+
+
+def _refuse(family: str, what: str) -> None:
+  raise ValueError(f"use_sebp(packed=True) cannot pack {family} with {what}; use_sebp "
+                   "without packed=True runs it")
+
+
+def _dropout(module: nn.Module, arguments: dict, rate: float):
+  """``(rng, rate)`` for the attention probabilities, as the module would draw them."""
+  if arguments.get("deterministic", True) or rate == 0.0:
+    return None, 0.0
+  return module.make_rng("dropout"), rate
+
+
+#: ``(query [.., T, H, d], key, value [.., T, K, d], *, causal, window, dropout_rng,
+#: dropout_rate) -> [.., T, H, d]``: the attention of one layout of tokens, e.g.
+#: :func:`sebp_jax.packing.packed_attention` with its layout bound.
+AttentionCore = Callable[..., Any]
+
+
+def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
+                        arguments: dict) -> tuple:
+  """``FlaxBertSelfAttention`` / ``FlaxRobertaSelfAttention`` with ``attention_core``."""
+  config = module.config
+  if arguments.get("key_value_states") is not None or module.causal:
+    _refuse("a BERT-style model", "cross-attention or causal (decoder) attention")
+  if arguments.get("init_cache"):
+    _refuse("a BERT-style model", "a decoding cache (init_cache)")
+  hidden = arguments["hidden_states"]
+  heads = config.num_attention_heads
+  split = lambda a: a.reshape(*a.shape[:2], heads, config.hidden_size // heads)
+  query, key, value = (split(projection(hidden))
+                       for projection in (module.query, module.key, module.value))
+  rng, rate = _dropout(module, arguments, config.attention_probs_dropout_prob)
+  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  head_mask = arguments.get("layer_head_mask")
+  if head_mask is not None:
+    # Scaling a head's probabilities scales its output alike (transformers passes ones).
+    out = out * head_mask[:, None].astype(out.dtype)
+  return (out.reshape(*out.shape[:2], config.hidden_size),)
+
+
+def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxLlamaAttention`` / ``FlaxMistralAttention`` with ``attention_core``: rotary
+  embeddings at each token's own position ids, causal, Mistral's sliding window."""
+  config = module.config
+  if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
+    _refuse("a decoder", "a decoding cache (init_cache)")
+  hidden, positions = arguments["hidden_states"], arguments["position_ids"]
+  heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+  head_dim = config.hidden_size // heads
+  query = module.q_proj(hidden).reshape(*hidden.shape[:2], heads, head_dim)
+  key = module.k_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
+  value = module.v_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
+  key, query = module.rotary_emb(key, query, positions)
+  # As the model's own causal mask, triu(causal, -(sliding_window or 0)): with no window
+  # configured, transformers' Flax Mistral lets each token attend to itself only.
+  window = (config.sliding_window or 0) if "Mistral" in type(module).__name__ else None
+  rng, rate = _dropout(module, arguments, config.attention_dropout)
+  out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
+                       dropout_rate=rate)
+  return (module.o_proj(out.reshape(*out.shape[:2], heads * head_dim)),)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedFamily:
+  """One model family: which module runs packed, what it gathers, how its attention runs.
+
+  Attributes:
+    name: for messages and the report.
+    regions: class names of the modules run on packed tokens.
+    tokens_argument: the region's argument gathered on entry (``[B, L]`` ids or ``[B, L, D]``
+      hidden states); ``position_ids`` is gathered too where given, ``attention_mask`` becomes
+      ones over the capacity (the packed attention ignores it).
+    attention_classes: class names of the attention modules inside the region.
+    attend: ``(module, attention_core, arguments) -> outputs`` in place of an attention
+      module's call: its own projections (and rotary embeddings) around ``attention_core``.
+  """
+  name: str
+  regions: tuple[str, ...]
+  tokens_argument: str
+  attention_classes: tuple[str, ...]
+  attend: Callable[[nn.Module, AttentionCore, dict], Any]
+
+
+FAMILIES = (
+    PackedFamily("BERT/RoBERTa encoder", ("FlaxBertEncoder", "FlaxRobertaEncoder"),
+                 "hidden_states", ("FlaxBertSelfAttention", "FlaxRobertaSelfAttention"),
+                 bert_self_attention),
+    PackedFamily("Llama/Mistral decoder", ("FlaxLlamaModule", "FlaxMistralModule"), "input_ids",
+                 ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
+)
+SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
+
+
+def _from_transformers(module: nn.Module) -> bool:
+  return type(module).__module__.startswith("transformers.models.")
+
+
+def region_family(module: nn.Module) -> PackedFamily | None:
+  """The family whose packed region ``module`` is, or None."""
+  name = type(module).__name__
+  if not _from_transformers(module):
+    return None
+  return next((family for family in FAMILIES if name in family.regions), None)
+
+
+def attention_family(module: nn.Module) -> PackedFamily | None:
+  """The family whose attention module ``module`` is, or None."""
+  name = type(module).__name__
+  if not _from_transformers(module):
+    return None
+  return next((family for family in FAMILIES if name in family.attention_classes), None)
+
+
+def run_attention(family: PackedFamily, module: nn.Module, args, kwargs,
+                  attention_core: AttentionCore):
+  """An attention module's call, its attention computed by ``attention_core``."""
+  return family.attend(module, attention_core, bind_arguments(module, args, kwargs).arguments)
+
+
+def bind_arguments(module: nn.Module, args, kwargs) -> inspect.BoundArguments:
+  """The call's arguments by name (``self`` first), defaults filled in."""
+  bound = inspect.signature(type(module).__call__).bind(module, *args, **kwargs)
+  bound.apply_defaults()
+  return bound
+
+
+def call_bound(next_fun, bound: inspect.BoundArguments):
+  return next_fun(*bound.args[1:], **bound.kwargs)
+
+
+def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
+               layout: PackedLayout):
+  """The region's call on the batch's real tokens, its outputs back in ``[B, L]`` shapes. The
+  attention mask it is given must be the layout's (:func:`~sebp_jax.packing.checked_against`)."""
+  bound = bind_arguments(module, args, kwargs)
+  arguments = bound.arguments
+  if arguments.get("output_attentions"):
+    _refuse(family.name, "output_attentions=True (packed attention has no [B, H, L, L] weights)")
+  if arguments.get("encoder_hidden_states") is not None:
+    _refuse(family.name, "cross-attention (encoder_hidden_states)")
+  layout = checked_against(layout, arguments.get("attention_mask"))
+  arguments[family.tokens_argument] = gather_tokens(arguments[family.tokens_argument], layout)
+  if arguments.get("position_ids") is not None:
+    positions = jnp.broadcast_to(arguments["position_ids"], layout.batch_shape)
+    arguments["position_ids"] = gather_tokens(positions, layout)
+  if "attention_mask" in arguments:
+    arguments["attention_mask"] = jnp.ones((1, layout.capacity), jnp.int32)
+  return unpack_outputs(call_bound(next_fun, bound), layout)
+
+
+def unpack_outputs(outputs: Any, layout: PackedLayout) -> Any:
+  """:func:`scatter_tokens` on every array of leading shape ``(1, C)`` in a model's outputs:
+  tuples, lists and transformers' ``ModelOutput`` (not a registered pytree)."""
+  if isinstance(outputs, (tuple, list)):
+    return type(outputs)(unpack_outputs(o, layout) for o in outputs)
+  if hasattr(outputs, "items"):
+    return type(outputs)(**{k: unpack_outputs(v, layout) for k, v in outputs.items()})
+  shape = getattr(outputs, "shape", ())
+  if tuple(shape[:2]) == (1, layout.capacity) and len(shape) >= 2:
+    return scatter_tokens(outputs, layout)
+  return outputs

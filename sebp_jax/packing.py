@@ -1,0 +1,222 @@
+"""Token packing: run a model's layers on the real tokens of a padded batch only.
+
+A padded batch ``[B, L]`` with mask ``m`` holds ``n = sum(m)`` real tokens. Packing gathers them,
+in row-major order, into one sequence of static capacity ``C >= n`` (``[1, C]``), runs the
+layers there, and scatters the result back to ``[B, L]`` (zeros at padding). Linear layers,
+norms and activations act row by row, so on the packed rows they compute exactly what they
+compute on those rows in the padded batch; attention is the one layer that mixes rows, and
+:func:`packed_attention` keeps it per sequence: a token attends only to tokens of its own row
+(and, for a decoder, only to earlier columns), exactly the keys the padding mask allows.
+
+The ``C - n`` unused slots (*filler*) read zeros, form a segment of their own and are dropped
+when scattering back, so nothing reaches a real token or the gradient from them.
+
+A batch with more real tokens than ``C`` cannot be packed. When the mask is known at trace
+time that raises at once; under ``jit`` every packed output turns to NaN, and so the loss and
+every gradient behind it: no token is ever dropped silently. A run-time error would need a
+run-time branch in every step, which stalls the GPU's queue; choose ``C`` on the host instead
+(:func:`token_capacity`).
+
+Attention over the packed sequence costs ``C^2`` (one ``[C, C]`` mask), not the sum of the
+squared lengths: cheap while ``C`` is a few thousand tokens, and behind a length-aware kernel
+on the padded batch beyond that.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class PackedLayout:
+  """Where the real tokens of a ``[B, L]`` batch sit in a packed ``[1, C]`` sequence.
+
+  Attributes:
+    batch_shape: ``(B, L)``.
+    token_rows: ``int32[C]``, the flat index ``b * L + l`` of each packed token, ascending;
+      filler slot ``i`` holds ``B * L + i`` (out of range, distinct, so scatters drop it).
+    segment_ids: ``int32[C]``, the batch row ``b`` of each token; ``B`` for filler.
+    columns: ``int32[C]``, the column ``l`` of each token in its row (filler: its slot).
+    num_tokens: ``int32[]``, the real tokens of the batch (may exceed ``C``: overflow).
+    mask: ``bool[B, L]``, the real tokens.
+    invalid: ``bool[]``, the packed outputs must not be used: the batch overflowed ``C``, or
+      the model was given another attention mask (:func:`checked_against`).
+  """
+  batch_shape: tuple[int, int] = flax.struct.field(pytree_node=False)
+  token_rows: Array
+  segment_ids: Array
+  columns: Array
+  num_tokens: Array
+  mask: Array
+  invalid: Array
+
+  @property
+  def capacity(self) -> int:
+    return self.token_rows.shape[0]
+
+  @property
+  def overflow(self) -> Array:
+    """``bool[]``: more real tokens than slots."""
+    return self.num_tokens > self.capacity
+
+
+def token_capacity(mask, multiple: int = 128) -> int:
+  """A packing capacity for a host-side ``mask``: its real tokens rounded up to ``multiple``
+  (at most ``mask.size``). Bucketing bounds the number of compiled shapes: pass it as a
+  static argument of the jitted step."""
+  mask = np.asarray(mask)
+  num_tokens = max(1, int(np.count_nonzero(mask)))
+  return min(mask.size, -(-num_tokens // multiple) * multiple)
+
+
+def pack_layout(mask: Array, capacity: int) -> PackedLayout:
+  """The packed layout of the non-zero entries of ``mask: [B, L]`` in ``capacity`` slots.
+
+  Any mask works (right or left padding, holes): tokens keep their row and column, and attention
+  follows them. A concrete mask with more than ``capacity`` real tokens raises ValueError.
+  """
+  if jnp.ndim(mask) != 2:
+    raise ValueError(f"active_mask for packing must be [batch, length], got shape "
+                     f"{jnp.shape(mask)}")
+  batch, length = jnp.shape(mask)
+  if not isinstance(mask, jax.core.Tracer):
+    num_tokens = int(np.count_nonzero(np.asarray(mask)))
+    if num_tokens > capacity:
+      raise ValueError(
+          f"packing capacity {capacity} (from top_n) is smaller than the {num_tokens} real "
+          f"tokens of active_mask [{batch}, {length}]: give a top_n of at least {num_tokens}.")
+  flat = jnp.reshape(mask, (-1,)) != 0
+  num_rows = flat.shape[0]
+  slots = jnp.arange(capacity, dtype=jnp.int32)
+  (rows,) = jnp.nonzero(flat, size=capacity, fill_value=num_rows)
+  num_tokens = jnp.sum(flat, dtype=jnp.int32)
+  real = slots < num_tokens
+  rows = jnp.where(real, rows.astype(jnp.int32), num_rows + slots)
+  return PackedLayout(
+      batch_shape=(batch, length),
+      token_rows=rows,
+      segment_ids=jnp.where(real, rows // length, batch),
+      columns=jnp.where(real, rows % length, slots),
+      num_tokens=num_tokens,
+      mask=jnp.reshape(flat, (batch, length)),
+      invalid=num_tokens > capacity)
+
+
+def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
+  """``layout``, for a model called with ``attention_mask``: packing attends over the real
+  tokens of the layout's mask, so another mask (a loss mask given as ``active_mask``, a second
+  batch in one context) would change the model. A concrete mismatch raises; a traced one
+  makes the packed outputs NaN."""
+  if attention_mask is None:
+    return layout
+  if jnp.shape(attention_mask) != layout.batch_shape:
+    raise ValueError(f"the model's attention_mask has shape {jnp.shape(attention_mask)}, "
+                     f"use_sebp's active_mask {layout.batch_shape}: packing needs the same mask")
+  differs = jnp.any((jnp.asarray(attention_mask) != 0) != layout.mask)
+  if not isinstance(differs, jax.core.Tracer):
+    if differs:
+      raise ValueError("the model's attention_mask differs from use_sebp's active_mask: "
+                       "packing attends over the tokens of active_mask, so pass the model's "
+                       "attention mask as active_mask")
+    return layout
+  return layout.replace(invalid=layout.invalid | differs)
+
+
+def gather_tokens(x: Array, layout: PackedLayout) -> Array:
+  """``x: [B, L, ...]`` -> ``[1, C, ...]``: the real tokens, filler slots zero."""
+  batch, length = layout.batch_shape
+  if x.shape[:2] != (batch, length):
+    raise ValueError(f"packing expected an array of the leading shape {(batch, length)} of "
+                     f"active_mask, got {x.shape}")
+  packed = jnp.take(x.reshape(batch * length, *x.shape[2:]), layout.token_rows, axis=0,
+                    mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True)
+  return packed[None]
+
+
+def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
+  """``packed: [1, C, ...]`` -> ``[B, L, ...]``, zeros at padding; all NaN (inexact dtypes),
+  and so every gradient behind it, when the layout is ``invalid`` (the batch overflowed
+  ``C``): no token is dropped silently."""
+  batch, length = layout.batch_shape
+  values = packed[0]
+  fill = 0
+  if jnp.issubdtype(values.dtype, jnp.inexact):
+    # Every position NaN, the real tokens that did not fit included. Added, not selected, so
+    # that the gradients behind it are NaN too rather than zero.
+    fill = jnp.where(layout.invalid, jnp.nan, 0).astype(values.dtype)
+    values = values + fill
+  out = jnp.full((batch * length, *values.shape[1:]), fill, values.dtype)
+  out = out.at[layout.token_rows].set(values, mode="drop", indices_are_sorted=True,
+                                      unique_indices=True)
+  return out.reshape(batch, length, *values.shape[1:])
+
+
+def attention_mask(layout: PackedLayout, *, causal: bool,
+                   window: int | None = None) -> Array:
+  """``bool[1, 1, C, C]``: query token i may attend to key token j.
+
+  Same row (segment) always; with ``causal`` only ``column_j <= column_i``; with ``window``
+  only ``column_j >= column_i - window`` too (sliding-window attention). Filler slots attend
+  to filler only, so no softmax row is empty.
+  """
+  seg, col = layout.segment_ids, layout.columns
+  allowed = seg[:, None] == seg[None, :]
+  if causal:
+    allowed &= col[None, :] <= col[:, None]
+  if window is not None:
+    allowed &= col[None, :] >= col[:, None] - window
+  return allowed[None, None]
+
+
+def fused_attention_implementation(query: Array) -> str:
+  """``"cudnn"`` (flash attention) where it runs on A100 and H100 alike: an NVIDIA GPU, 16-bit
+  inputs, a head size that is a multiple of 8 up to 128, an even sequence length (cuDNN's
+  backward with a bias or mask needs one); ``"xla"`` otherwise."""
+  length, head_dim = query.shape[-3], query.shape[-1]
+  on_cuda = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  if (on_cuda and query.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+      and head_dim <= 128 and length % 2 == 0):
+    return "cudnn"
+  return "xla"
+
+
+def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
+                     causal: bool, window: int | None = None,
+                     dropout_rng: Array | None = None, dropout_rate: float = 0.0,
+                     implementation: str | None = None) -> Array:
+  """Per-sequence attention of packed tokens.
+
+  Args:
+    query: ``[1, C, H, d]``.
+    key, value: ``[1, C, K, d]``, ``H`` a multiple of ``K`` (grouped-query attention).
+    layout: the batch's :class:`PackedLayout`.
+    causal: decoder attention (by column within each row).
+    window: sliding window, in columns (Mistral), or None.
+    dropout_rng, dropout_rate: dropout on the attention probabilities, as flax's
+      ``dot_product_attention_weights`` applies it (with ``broadcast_dropout``); its random
+      mask falls on other positions than in the padded batch.
+    implementation: ``"xla"``, ``"cudnn"``, or None for
+      :func:`fused_attention_implementation`.
+
+  Returns:
+    ``[1, C, H, d]``, softmax(q k^T / sqrt(d)) v over the allowed keys, in float32 logits.
+  """
+  mask = attention_mask(layout, causal=causal, window=window)
+  if dropout_rng is not None and dropout_rate > 0.0:
+    # The fused kernels have no dropout: the probabilities are materialised.
+    groups = query.shape[2] // key.shape[2]
+    key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))
+    bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
+    weights = nn.dot_product_attention_weights(
+        query, key, bias=bias, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+        broadcast_dropout=True, deterministic=False, dtype=jnp.float32)
+    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
+  implementation = implementation or fused_attention_implementation(query)
+  return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=causal,
+                                      implementation=implementation)

@@ -1,0 +1,457 @@
+"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama and Mistral:
+the loss and every parameter's gradient equal dense `jax.grad` of the unmodified model.
+
+The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
+for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
+predicts a real token."""
+
+import functools
+from contextlib import nullcontext
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
+                          FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
+                          LlamaConfig, MistralConfig, RobertaConfig)
+
+from sebp_jax import use_sebp
+from sebp_jax.losses import masked_causal_lm_loss
+
+VOCAB, BATCH, LENGTH = 64, 3, 12
+
+
+def _encoder_config(cls, layers=2, **overrides):
+  return cls(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+             intermediate_size=32, max_position_embeddings=32, **overrides)
+
+
+def _decoder_config(cls, layers=2, **overrides):
+  return cls(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64,
+             **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert():
+  return FlaxBertForSequenceClassification(_encoder_config(BertConfig), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_roberta():
+  config = _encoder_config(RobertaConfig, layers=1, pad_token_id=1)
+  return FlaxRobertaForSequenceClassification(config, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+  return FlaxLlamaForCausalLM(_decoder_config(LlamaConfig), seed=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral():
+  config = _decoder_config(MistralConfig, layers=1, sliding_window=3)
+  return FlaxMistralForCausalLM(config, seed=3)
+
+
+def _mask(rng, layout, min_length=2, max_tokens=None):
+  """A random ``[B, L]`` mask: right or left padding, or holes with position 0 real; at most
+  ``max_tokens`` real tokens."""
+  while True:
+    cols = np.arange(LENGTH)[None]
+    lengths = rng.integers(min_length, LENGTH + 1, size=(BATCH, 1))
+    if layout == "right":
+      mask = cols < lengths
+    elif layout == "left":
+      mask = cols >= LENGTH - lengths
+    else:
+      mask = rng.random((BATCH, LENGTH)) < 0.6
+      mask[:, :min_length] = True
+    if max_tokens is None or mask.sum() <= max_tokens:
+      return mask.astype(np.int32)
+
+
+def _ids(rng, mask, pad_id=0):
+  """Random tokens (never ``pad_id``) at real positions, ``pad_id`` at padding."""
+  ids = rng.integers(3, VOCAB, size=mask.shape)
+  return np.where(mask != 0, ids, pad_id).astype(np.int32)
+
+
+def _classifier_batch(rng, model, mask, pad_id=0, head_mask=None):
+  """``(ids, mask, labels, head_mask)``; the head mask all ones unless given."""
+  if head_mask is None:
+    head_mask = np.ones((model.config.num_hidden_layers, model.config.num_attention_heads),
+                        np.float32)
+  return _ids(rng, mask, pad_id), mask, rng.integers(0, 2, size=BATCH), head_mask
+
+
+def _positions(mask):
+  """Each token's position in its own sequence, whatever the padding."""
+  return np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int32)
+
+
+def _packing(capacity, mask, reports):
+  if capacity is None:
+    return nullcontext()
+  context = use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla")
+  reports.append(context.report)
+  return context
+
+
+def classifier_loss(model, capacity=None, reports=None, **call_kwargs):
+  """``(params, ids, mask, labels, head_mask) -> loss``, packed in ``capacity`` slots."""
+  def loss(params, ids, mask, labels, head_mask):
+    with _packing(capacity, mask, reports):
+      logits = model(ids, attention_mask=mask, head_mask=head_mask, params=params,
+                     **call_kwargs).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  return loss
+
+
+def lm_loss(model, capacity=None, reports=None, loss_capacity=None):
+  """``(params, ids, mask, positions) -> masked_causal_lm_loss``."""
+  def loss(params, ids, mask, positions):
+    with _packing(capacity, mask, reports):
+      logits = model(ids, attention_mask=mask, position_ids=positions, params=params).logits
+    return masked_causal_lm_loss(logits, ids, mask, capacity=loss_capacity)
+  return loss
+
+
+def packed_grad(loss_builder, model, capacity, reports, **kwargs):
+  """The jitted value and gradient of the loss under use_sebp(packed=True)."""
+  return jax.jit(jax.value_and_grad(loss_builder(model, capacity, reports, **kwargs)))
+
+
+@functools.cache
+def dense_grad(loss_builder, model):
+  """The jitted value and gradient of the loss without use_sebp (one per model)."""
+  return jax.jit(jax.value_and_grad(loss_builder(model)))
+
+
+def _max_error(got, want):
+  """max |got - want| over every leaf, relative to the largest |want| entry of the tree."""
+  scale = max(float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(want))
+  assert scale > 0
+  return max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))) / scale
+
+
+def assert_matches_dense(got, want, rtol=1e-5):
+  """Same loss; every leaf's gradient within rtol of the largest dense gradient entry (true
+  gradients can be exactly zero, e.g. BERT's key bias, so per-leaf ratios mean nothing)."""
+  (got_value, got_grad), (want_value, want_grad) = got, want
+  np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
+  assert jax.tree.structure(got_grad) == jax.tree.structure(want_grad)
+  scale = max(float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(want_grad))
+  assert scale > 0
+  flat, _ = jax.tree_util.tree_flatten_with_path(got_grad)
+  for (path, a), b in zip(flat, jax.tree.leaves(want_grad)):
+    error = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    assert error <= rtol * scale, f"{jax.tree_util.keystr(path)}: {error} > {rtol} * {scale}"
+
+
+@pytest.fixture(scope="module")
+def packed_bert(tiny_bert):
+  """A right-padded batch and the jitted packed loss in exactly as many slots as its real
+  tokens, shared by the tests that run it."""
+  rng = np.random.default_rng(10)
+  mask = _mask(rng, "right", max_tokens=BATCH * LENGTH - 2)
+  capacity = int(mask.sum())
+  reports = []
+  return (_classifier_batch(rng, tiny_bert, mask), capacity, reports,
+          packed_grad(classifier_loss, tiny_bert, capacity, reports))
+
+
+def test_bert_packed_gradients_equal_dense(tiny_bert, packed_bert):
+  """Right padding in exactly full slots; holes with a random head mask in the same compiled
+  function, with spare slots. The traced mask packs under jit."""
+  right, capacity, reports, packed = packed_bert
+  dense = dense_grad(classifier_loss, tiny_bert)
+  rng = np.random.default_rng(11)
+  holes = _mask(rng, "holes", min_length=1, max_tokens=capacity - 2)
+  head_mask = rng.uniform(0.2, 1.0, size=(2, 2)).astype(np.float32)
+  for batch in (right, _classifier_batch(rng, tiny_bert, holes, head_mask=head_mask)):
+    assert_matches_dense(packed(tiny_bert.params, *batch), dense(tiny_bert.params, *batch))
+  (report,) = reports
+  assert report.packed == ["bert/encoder"] and report.capacity == capacity
+
+
+def test_traced_overflow_is_loud(tiny_bert, packed_bert):
+  """More real tokens than slots under jit: the loss and gradients are NaN, never those of a
+  batch cut short."""
+  (ids, mask, *others), capacity, _, packed = packed_bert
+  over = mask.copy()
+  over[tuple(np.argwhere(mask == 0)[:2].T)] = 1
+  value, grad = packed(tiny_bert.params, ids, over, *others)
+  assert np.isnan(float(value))
+  # Inside the packed encoder too: a zero gradient there would let an optimizer step on.
+  layer = grad["bert"]["encoder"]["layer"]["0"]
+  assert np.isnan(grad["classifier"]["kernel"]).all()
+  assert np.isnan(layer["attention"]["self"]["query"]["kernel"]).all()
+  assert np.isnan(layer["output"]["dense"]["kernel"]).all()
+
+
+def test_traced_overflow_of_a_decoder_is_loud(tiny_llama):
+  """The same for a decoder and its LM head, the loss on real rows."""
+  rng = np.random.default_rng(23)
+  ids, mask, positions = _decoder_batch(rng, "right")
+  capacity = int(mask.sum()) - 3
+  value, grad = packed_grad(lm_loss, tiny_llama, capacity, [], loss_capacity=capacity)(
+      tiny_llama.params, ids, mask, positions)
+  assert np.isnan(float(value))
+  # Every parameter; the embedding in the rows of the batch's tokens (the others get none).
+  assert all(np.isnan(leaf).any() for leaf in jax.tree.leaves(grad))
+  assert np.isnan(grad["model"]["layers"]["0"]["mlp"]["up_proj"]["kernel"]).all()
+
+
+def test_the_model_mask_must_be_the_active_mask(tiny_bert):
+  """Packing attends over active_mask's tokens: a model called with another attention mask
+  (a loss mask given as active_mask) raises when both are known, and is NaN under jit."""
+  rng = np.random.default_rng(24)
+  ids, mask, labels, head_mask = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
+  loss_mask = mask.copy()
+  loss_mask[:, 0] = 0
+
+  def loss(params, attention_mask, active_mask):
+    with use_sebp(top_n=int(mask.sum()), active_mask=active_mask, packed=True):
+      logits = tiny_bert(ids, attention_mask=attention_mask, params=params).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  with pytest.raises(ValueError, match="attention_mask differs from use_sebp's active_mask"):
+    loss(tiny_bert.params, mask, loss_mask)
+  assert np.isnan(float(jax.jit(loss)(tiny_bert.params, mask, loss_mask)))
+  assert np.isfinite(float(jax.jit(loss)(tiny_bert.params, mask, mask)))
+
+
+def test_outputs_keep_their_structure(tiny_bert):
+  """return_dict=False and output_hidden_states: every hidden state comes back [B, L, D],
+  equal to the dense model's at real tokens and zero at padding."""
+  rng = np.random.default_rng(25)
+  ids, mask, _, _ = _classifier_batch(rng, tiny_bert, _mask(rng, "holes"))
+  call = lambda: tiny_bert.module.apply({"params": tiny_bert.params}, ids, mask, None, None,
+                                        None, output_hidden_states=True, return_dict=False)
+  want = call()
+  with use_sebp(top_n=int(mask.sum()) + 2, active_mask=mask, packed=True):
+    got = call()
+  assert isinstance(got, tuple) and len(got) == len(want)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # logits from [CLS]
+  hidden_got, hidden_want = got[1], want[1]
+  assert len(hidden_got) == len(hidden_want) == tiny_bert.config.num_hidden_layers + 1
+  for g, w in zip(hidden_got, hidden_want):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g[mask == 1], w[mask == 1], rtol=1e-5, atol=1e-5)
+  for g in hidden_got[1:]:  # the encoder's, packed; the embeddings' are its input
+    assert not np.any(g[mask == 0])
+
+
+def test_a_head_alone_is_not_packed():
+  """An lm_head of a model packing does not know (its rows need not be the mask's tokens):
+  left as it is, and the context says it packed nothing."""
+  class Seq2SeqLike(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(5, name="lm_head")(nn.Dense(8)(x))
+
+  rng = np.random.default_rng(26)
+  mask = _mask(rng, "right")
+  x = jnp.asarray(rng.standard_normal((BATCH, LENGTH, 4)), jnp.float32)
+  params = Seq2SeqLike().init(jax.random.key(0), x)
+  context = use_sebp(top_n=int(mask.sum()), active_mask=mask, packed=True)
+  with pytest.raises(RuntimeError, match="packed nothing"):
+    with context:
+      y = Seq2SeqLike().apply(params, x)
+  assert context.report.packed == []
+  np.testing.assert_allclose(y, Seq2SeqLike().apply(params, x), rtol=1e-6)
+
+
+def test_a_numpy_mask_over_capacity_raises_inside_jit(tiny_bert):
+  """A numpy mask is known when the function is traced, jit or not: too many real tokens
+  raise at once, with the counts."""
+  rng = np.random.default_rng(21)
+  ids, mask, labels, _ = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
+  capacity = int(mask.sum()) - 1
+
+  def loss(params):
+    with use_sebp(top_n=capacity, active_mask=mask, packed=True):
+      logits = tiny_bert(ids, attention_mask=mask, params=params).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  with pytest.raises(ValueError, match=f"capacity {capacity} .* {capacity + 1} real tokens"):
+    jax.jit(jax.grad(loss))(tiny_bert.params)
+
+
+def test_mistral_without_a_window_follows_the_model(tiny_mistral):
+  """sliding_window=None: packed attention follows the model's own causal mask as
+  transformers builds it, so the gradients equal the dense model's."""
+  model = FlaxMistralForCausalLM(_decoder_config(MistralConfig, layers=1, sliding_window=None),
+                                 _do_init=False)
+  rng = np.random.default_rng(22)
+  batch = _decoder_batch(rng, "right")
+  capacity = int(batch[1].sum())
+  assert_matches_dense(packed_grad(lm_loss, model, capacity, [])(tiny_mistral.params, *batch),
+                       dense_grad(lm_loss, model)(tiny_mistral.params, *batch))
+
+
+@pytest.mark.slow
+def test_bert_packed_gradients_equal_dense_eagerly(tiny_bert):
+  """Without jit, on a concrete mask with spare slots."""
+  rng = np.random.default_rng(12)
+  batch = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
+  capacity = int(batch[1].sum()) + 5
+  reports = []
+  got = jax.value_and_grad(classifier_loss(tiny_bert, capacity, reports))(tiny_bert.params,
+                                                                          *batch)
+  assert_matches_dense(got, dense_grad(classifier_loss, tiny_bert)(tiny_bert.params, *batch))
+  assert reports[0].packed == ["bert/encoder"] and reports[0].capacity == capacity
+
+
+def test_bert_gradient_checkpointing_and_a_context_around_jit(tiny_bert):
+  """Layers under nn.remat (gradient_checkpointing=True) pack the same, with the context
+  entered around jit on a concrete mask."""
+  rng = np.random.default_rng(13)
+  remat_bert = FlaxBertForSequenceClassification(tiny_bert.config, _do_init=False,
+                                                 gradient_checkpointing=True)
+  batch = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
+  capacity = int(batch[1].sum()) + 2
+  with use_sebp(top_n=capacity, active_mask=batch[1], packed=True, backend="xla") as report:
+    got = jax.jit(jax.value_and_grad(classifier_loss(remat_bert)))(tiny_bert.params, *batch)
+  assert_matches_dense(got, dense_grad(classifier_loss, tiny_bert)(tiny_bert.params, *batch))
+  assert report.packed == ["bert/encoder"] and report.capacity == capacity
+
+
+def test_roberta_packed_gradients_equal_dense(tiny_roberta):
+  """pad_token_id=1 at padding, so RoBERTa's position ids skip it; slots exactly full, then
+  spare."""
+  rng = np.random.default_rng(14)
+  mask = _mask(rng, "right")
+  capacity = int(mask.sum())
+  reports = []
+  packed = packed_grad(classifier_loss, tiny_roberta, capacity, reports)
+  dense = dense_grad(classifier_loss, tiny_roberta)
+  for batch_mask in (mask, _mask(rng, "right", max_tokens=capacity - 3)):
+    batch = _classifier_batch(rng, tiny_roberta, batch_mask, pad_id=1)
+    assert_matches_dense(packed(tiny_roberta.params, *batch),
+                         dense(tiny_roberta.params, *batch))
+  assert reports[0].packed == ["roberta/encoder"] and reports[0].capacity == capacity
+
+
+def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
+  """``(ids, mask, positions)``. Right padding and holes: the default positions; left
+  padding: each token's position in its sequence."""
+  if mask is None:
+    mask = _mask(rng, layout, min_length=4, max_tokens=capacity)
+  if layout == "left":
+    positions = _positions(mask)
+  else:
+    positions = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), mask.shape)
+  return _ids(rng, mask), mask, positions
+
+
+def test_llama_packed_gradients_equal_dense(tiny_llama):
+  """Grouped-query Llama: right padding in exactly full slots, left padding and holes with
+  spare ones, in one compiled function."""
+  rng = np.random.default_rng(15)
+  mask = _mask(rng, "right", min_length=4, max_tokens=BATCH * LENGTH - 4)
+  capacity = int(mask.sum())
+  reports = []
+  packed = packed_grad(lm_loss, tiny_llama, capacity, reports)
+  dense = dense_grad(lm_loss, tiny_llama)
+  batches = [_decoder_batch(rng, "right", mask=mask), _decoder_batch(rng, "left", capacity),
+             _decoder_batch(rng, "holes", capacity)]
+  for batch in batches:
+    assert_matches_dense(packed(tiny_llama.params, *batch), dense(tiny_llama.params, *batch))
+  assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
+
+
+def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
+  """Mistral with a window of 3 columns, sequences of 4 to 12 tokens, and the loss over
+  masked_causal_lm_loss(capacity=C)."""
+  rng = np.random.default_rng(16)
+  capacity = BATCH * LENGTH - 6
+  reports = []
+  packed = packed_grad(lm_loss, tiny_mistral, capacity, reports, loss_capacity=capacity)
+  dense = dense_grad(lm_loss, tiny_mistral)
+  for layout in ("right", "left", "holes"):
+    batch = _decoder_batch(rng, layout, capacity)
+    assert_matches_dense(packed(tiny_mistral.params, *batch), dense(tiny_mistral.params, *batch))
+  assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
+
+
+def test_bfloat16_error_no_larger_than_dense_bfloat16(tiny_mistral):
+  """A bf16 Mistral packed is as close to the float32 dense model as the dense bf16 model."""
+  rng = np.random.default_rng(18)
+  bf16_mistral = FlaxMistralForCausalLM(tiny_mistral.config, dtype=jnp.bfloat16, _do_init=False)
+  batch = _decoder_batch(rng, "left")
+  capacity = int(batch[1].sum()) + 3
+  params = tiny_mistral.params
+  reference = dense_grad(lm_loss, tiny_mistral)(params, *batch)
+  dense_bf16 = dense_grad(lm_loss, bf16_mistral)(params, *batch)
+  packed_bf16 = packed_grad(lm_loss, bf16_mistral, capacity, [], loss_capacity=capacity)(
+      params, *batch)
+  dense_error = _max_error(dense_bf16[1], reference[1])
+  assert 1e-5 < dense_error < 0.05
+  assert _max_error(packed_bf16[1], reference[1]) <= 2 * dense_error
+  loss_error = lambda got: abs(float(got[0]) - float(reference[0]))
+  assert loss_error(packed_bf16) <= 2 * loss_error(dense_bf16) + 1e-6 * float(reference[0])
+
+
+def test_dropout(tiny_bert):
+  """train=True with a dropout rng packs: with attention dropout only, finite gradients
+  other than the deterministic ones (the dropout acts on the packed probabilities); with
+  every dropout probability 0, equal to dense."""
+  rng = np.random.default_rng(19)
+  batch = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
+  capacity = int(batch[1].sum())
+  key = jax.random.key(3)
+  want = dense_grad(classifier_loss, tiny_bert)(tiny_bert.params, *batch)
+
+  def train(hidden, attention):
+    model = FlaxBertForSequenceClassification(
+        _encoder_config(BertConfig, hidden_dropout_prob=hidden,
+                        attention_probs_dropout_prob=attention), _do_init=False)
+    return packed_grad(classifier_loss, model, capacity, [], train=True, dropout_rng=key)(
+        tiny_bert.params, *batch)
+
+  value, grad = train(0.0, 0.3)
+  assert np.isfinite(float(value))
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(grad))
+  assert _max_error(grad, want[1]) > 1e-3
+  assert_matches_dense(train(0.0, 0.0), want)
+
+
+def test_refusals_and_report(tiny_bert):
+  """packed=True needs active_mask; output_attentions, a model with nothing to pack and a
+  concrete mask over capacity are refused with clear errors; a traced BERT reports its
+  encoder."""
+  rng = np.random.default_rng(20)
+  mask = _mask(rng, "right")
+  ids = _ids(rng, mask)
+  n = int(mask.sum())
+  forward = lambda **kwargs: jax.eval_shape(
+      lambda p: tiny_bert(ids, attention_mask=mask, params=p, **kwargs), tiny_bert.params)
+  with pytest.raises(ValueError, match="needs active_mask"):
+    use_sebp(top_n=8, packed=True)
+  with pytest.raises(ValueError, match="output_attentions"):
+    with use_sebp(top_n=n, active_mask=mask, packed=True):
+      forward(output_attentions=True)
+  with pytest.raises(ValueError, match=rf"packing capacity {n - 1} .* {n} real tokens"):
+    with use_sebp(top_n=n - 1, active_mask=mask, packed=True):
+      pass
+
+  class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(x)
+
+  x = jnp.asarray(rng.standard_normal((BATCH, LENGTH, 4)), jnp.float32)
+  params = Plain().init(jax.random.key(0), x)
+  with pytest.raises(RuntimeError, match="packed nothing"):
+    with use_sebp(top_n=n, active_mask=mask, packed=True):
+      Plain().apply(params, x)
+  with use_sebp(top_n=n, active_mask=mask, packed=True) as report:
+    forward()
+  assert report.packed == ["bert/encoder"] and report.capacity == n
+  assert f"bert/encoder packed into {n} token slots" in report.summary()

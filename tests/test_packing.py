@@ -1,0 +1,367 @@
+"""Token packing (`sebp_jax.packing`) against float64 numpy references built from the padded
+batch: layouts, gather/scatter and their gradient, attention masks, per-sequence attention,
+and the capacity checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sebp_jax.packing import (attention_mask, fused_attention_implementation, gather_tokens,
+                              pack_layout, packed_attention, scatter_tokens, token_capacity)
+
+
+def _random_mask(rng, batch, length, kind):
+  """A random ``[B, L]`` int mask: right or left padding, holes, with an empty row, full."""
+  cols = np.arange(length)[None]
+  lengths = rng.integers(1, length + 1, size=(batch, 1))
+  if kind == "right":
+    mask = cols < lengths
+  elif kind == "left":
+    mask = cols >= length - lengths
+  elif kind == "holes":
+    mask = rng.random((batch, length)) < 0.5
+  elif kind == "empty_row":
+    mask = cols < lengths
+    mask[rng.integers(batch)] = False
+  elif kind == "full":
+    mask = np.ones((batch, length), bool)
+  else:
+    raise ValueError(kind)
+  return mask.astype(np.int32)
+
+
+def _reference_layout(mask, capacity):
+  """``(token_rows, segment_ids, columns, num_tokens)`` of the packed layout, in numpy."""
+  batch, length = mask.shape
+  real = np.flatnonzero(mask.reshape(-1))
+  n = len(real)
+  filler = np.arange(n, capacity)
+  token_rows = np.concatenate([real, batch * length + filler])
+  segment_ids = np.concatenate([real // length, np.full(len(filler), batch)])
+  columns = np.concatenate([real % length, filler])
+  return token_rows, segment_ids, columns, n
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _layout_fields(mask, capacities):
+  """``(token_rows, segment_ids, columns, num_tokens, overflow)`` for each capacity."""
+  return [(layout.token_rows, layout.segment_ids, layout.columns, layout.num_tokens,
+           layout.overflow)
+          for layout in (pack_layout(mask, capacity) for capacity in capacities)]
+
+
+MASK_CASES = [(seed, shape, kind)
+              for seed, (shape, kind) in enumerate([
+                  ((3, 7), "right"), ((4, 5), "left"), ((2, 9), "holes"), ((5, 4), "holes"),
+                  ((3, 6), "empty_row"), ((2, 5), "full"), ((1, 8), "holes"), ((6, 3), "left")])]
+
+
+@pytest.mark.parametrize("seed,shape,kind", MASK_CASES)
+def test_pack_layout_matches_numpy(seed, shape, kind):
+  """Real tokens in row-major order, then distinct out-of-range filler rows of segment B."""
+  rng = np.random.default_rng(seed)
+  mask = _random_mask(rng, *shape, kind)
+  n = int(mask.sum())
+  capacities = (max(n, 1), n + int(rng.integers(1, 6)))
+  for capacity, got in zip(capacities, _layout_fields(mask, capacities)):
+    want = _reference_layout(mask, capacity)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+    assert not got[4] and got[0].dtype == jnp.int32
+
+
+def test_pack_layout_reads_any_nonzero_and_is_the_same_under_jit():
+  """Float masks with arbitrary non-zero values, eager (a concrete mask) and under jit."""
+  rng = np.random.default_rng(11)
+  mask = (rng.random((4, 6)) < 0.5) * rng.uniform(0.1, 3.0, (4, 6))
+  mask = mask.astype(np.float32)
+  capacity = int(np.count_nonzero(mask)) + 2
+  want = _reference_layout(mask != 0, capacity)
+  eager = pack_layout(mask, capacity)
+  assert eager.batch_shape == (4, 6) and eager.capacity == capacity
+  eager = (eager.token_rows, eager.segment_ids, eager.columns, eager.num_tokens)
+  for got in (eager, _layout_fields(mask, (capacity,))[0]):
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_pack_layout_refuses_a_non_2d_mask():
+  with pytest.raises(ValueError, match=r"\[batch, length\]"):
+    pack_layout(jnp.ones((2, 3, 4)), 30)
+
+
+@pytest.mark.parametrize("seed,shape,kind", MASK_CASES[:3])
+def test_gather_scatter_round_trip(seed, shape, kind):
+  """Gather puts the real rows in order (filler zero); scatter back restores them and
+  writes zeros at padding, for float and int arrays (the first case eager, all under jit)."""
+  rng = np.random.default_rng(100 + seed)
+  mask = _random_mask(rng, *shape, kind)
+  n = int(mask.sum())
+  capacity = n + 3
+  x = rng.standard_normal((*shape, 5)).astype(np.float32) + 10.0
+  ids = rng.integers(1, 50, size=shape).astype(np.int32)
+  real = np.flatnonzero(mask.reshape(-1))
+
+  def round_trip(mask, x, ids):
+    layout = pack_layout(mask, capacity)
+    packed, packed_ids = gather_tokens(x, layout), gather_tokens(ids, layout)
+    return packed, packed_ids, scatter_tokens(packed, layout), scatter_tokens(packed_ids, layout)
+
+  for run in [jax.jit(round_trip)] + ([round_trip] if seed == 0 else []):
+    packed, packed_ids, back, back_ids = run(mask, x, ids)
+    assert packed.shape == (1, capacity, 5) and packed_ids.shape == (1, capacity)
+    np.testing.assert_array_equal(packed[0, :n], x.reshape(-1, 5)[real])
+    assert not np.any(packed[0, n:]) and not np.any(packed_ids[0, n:])
+    np.testing.assert_array_equal(back, x * mask[..., None])
+    np.testing.assert_array_equal(packed_ids[0, :n], ids.reshape(-1)[real])
+    np.testing.assert_array_equal(back_ids, ids * mask)
+    assert back_ids.dtype == jnp.int32
+
+
+def test_gather_tokens_checks_the_leading_shape():
+  layout = pack_layout(np.ones((2, 3), np.int32), 6)
+  with pytest.raises(ValueError, match="leading shape"):
+    gather_tokens(jnp.ones((3, 2, 4)), layout)
+
+
+@pytest.mark.parametrize("seed,shape,kind", MASK_CASES[1:3])
+def test_gradient_through_gather_and_scatter(seed, shape, kind):
+  """d/dx sum(w_out * scatter(sin(gather(x)) * w_packed)) equals its numpy form: each real
+  token's own slot weight, zero at padding."""
+  rng = np.random.default_rng(200 + seed)
+  mask = _random_mask(rng, *shape, kind)
+  n = int(mask.sum())
+  capacity = n + 4
+  layout = pack_layout(mask, capacity)
+  x = rng.standard_normal((*shape, 3))
+  w_out = rng.standard_normal((*shape, 3))
+  w_packed = rng.standard_normal((1, capacity, 3))
+
+  def loss(x):
+    return jnp.sum(w_out * scatter_tokens(jnp.sin(gather_tokens(x, layout)) * w_packed, layout))
+
+  got = jax.jit(jax.grad(loss))(jnp.asarray(x, jnp.float32))
+  want = np.zeros((shape[0] * shape[1], 3))
+  real = np.flatnonzero(mask.reshape(-1))
+  flat_x, flat_w = x.reshape(-1, 3), w_out.reshape(-1, 3)
+  want[real] = flat_w[real] * np.cos(flat_x[real]) * w_packed[0, :n]
+  np.testing.assert_allclose(got, want.reshape(*shape, 3), rtol=1e-5, atol=1e-6)
+  assert not np.any(np.asarray(got)[mask == 0])
+
+
+def _reference_allowed(mask, causal, window):
+  """bool[B, L, L]: query (b, l) may attend to key (b, l') in the padded batch."""
+  length = mask.shape[1]
+  q, k = np.arange(length)[:, None], np.arange(length)[None, :]
+  allowed = np.broadcast_to(mask[:, None, :] != 0, (mask.shape[0], length, length)).copy()
+  if causal:
+    allowed &= k <= q
+  if window is not None:
+    allowed &= k >= q - window
+  return allowed
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 2), (False, 1)])
+@pytest.mark.parametrize("seed,shape,kind", MASK_CASES[2:4])
+def test_attention_mask_matches_the_padded_batch(seed, shape, kind, causal, window):
+  """Between real tokens, the packed mask is the padded batch's (same row, real key, causal,
+  window); real and filler never see each other; every filler row sees itself."""
+  rng = np.random.default_rng(300 + seed)
+  mask = _random_mask(rng, *shape, kind)
+  n = int(mask.sum())
+  capacity = n + 3
+  layout = pack_layout(mask, capacity)
+  got = np.asarray(attention_mask(layout, causal=causal, window=window))
+  assert got.shape == (1, 1, capacity, capacity) and got.dtype == bool
+  got = got[0, 0]
+  batch, length = shape
+  real = np.flatnonzero(mask.reshape(-1))
+  dense = _reference_allowed(mask, causal, window)
+  want = np.zeros((n, n), bool)
+  for i, qi in enumerate(real):
+    for j, kj in enumerate(real):
+      bq, lq = divmod(qi, length)
+      bk, lk = divmod(kj, length)
+      want[i, j] = bq == bk and dense[bq, lq, lk]
+  np.testing.assert_array_equal(got[:n, :n], want)
+  assert not got[:n, n:].any() and not got[n:, :n].any()
+  assert np.all(np.diag(got)[n:])
+
+
+def _reference_attention(q, k, v, mask, causal, window):
+  """float64 attention of each padded sequence over its own real keys: [B, L, H, d]."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  batch, length, heads, dim = q.shape
+  groups = heads // k.shape[2]
+  allowed = _reference_allowed(mask, causal, window)
+  out = np.zeros_like(q)
+  for b in range(batch):
+    for h in range(heads):
+      logits = q[b, :, h] @ k[b, :, h // groups].T / np.sqrt(dim)
+      logits = np.where(allowed[b], logits, -np.inf)
+      with np.errstate(invalid="ignore"):
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+      out[b, :, h] = np.nan_to_num(weights) @ v[b, :, h // groups]
+  return out
+
+
+def _packed_qkv(rng, mask, capacity, heads=4, kv_heads=2, dim=8):
+  """Random q/k/v of the padded batch and their packed form, filler slots holding garbage."""
+  batch, length = mask.shape
+  q = rng.standard_normal((batch, length, heads, dim))
+  k = rng.standard_normal((batch, length, kv_heads, dim))
+  v = rng.standard_normal((batch, length, kv_heads, dim))
+  real = np.flatnonzero(mask.reshape(-1))
+  n = len(real)
+
+  def pack(a):
+    packed = rng.standard_normal((capacity, *a.shape[2:])) * 50
+    packed[:n] = a.reshape(batch * length, *a.shape[2:])[real]
+    return jnp.asarray(packed[None], jnp.float32)
+
+  return (q, k, v), tuple(pack(a) for a in (q, k, v)), real
+
+
+@pytest.mark.parametrize("seed,kind,causal,window", [
+    (0, "right", False, None), (1, "left", True, None), (2, "holes", True, 2),
+    (3, "right", True, 2), (4, "holes", False, None)])
+def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, window):
+  """Grouped-query attention (4 query heads, 2 kv heads) of the packed tokens equals a float64
+  per-sequence attention of the padded batch at every real token; filler stays finite and
+  does not leak into real tokens."""
+  rng = np.random.default_rng(400 + seed)
+  mask = _random_mask(rng, 3, 7, kind)
+  n = int(mask.sum())
+  capacity = n + 5
+  layout = pack_layout(mask, capacity)
+  (q, k, v), packed, real = _packed_qkv(rng, mask, capacity)
+  attend = jax.jit(lambda *qkv: packed_attention(*qkv, layout, causal=causal, window=window,
+                                                 implementation="xla"))
+  got = attend(*packed)
+  assert got.shape == (1, capacity, 4, 8)
+  want = _reference_attention(q, k, v, mask, causal, window).reshape(-1, 4, 8)[real]
+  np.testing.assert_allclose(got[0, :n], want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.isfinite(got))
+
+
+def test_packed_attention_dropout():
+  """Dropout acts only with an rng and a positive rate; the materialised path it takes
+  computes the same attention (a negligible rate), and filler never reaches real tokens."""
+  rng = np.random.default_rng(500)
+  mask = _random_mask(rng, 3, 8, "holes")
+  n = int(mask.sum())
+  capacity = n + 4
+  layout = pack_layout(mask, capacity)
+  (q, k, v), packed, real = _packed_qkv(rng, mask, capacity)
+  want = _reference_attention(q, k, v, mask, True, 3).reshape(-1, 4, 8)[real]
+  attend = jax.jit(lambda *qkv, **kw: packed_attention(*qkv, layout, causal=True, window=3,
+                                                       implementation="xla", **kw),
+                   static_argnames="dropout_rate")
+  key = jax.random.key(0)
+  no_rng = attend(*packed, dropout_rng=None, dropout_rate=0.5)
+  np.testing.assert_allclose(no_rng[0, :n], want, rtol=1e-5, atol=1e-5)
+  tiny = attend(*packed, dropout_rng=key, dropout_rate=1e-7)
+  np.testing.assert_allclose(tiny[0, :n], want, rtol=1e-5, atol=1e-5)
+  dropped = attend(*packed, dropout_rng=key, dropout_rate=0.5)
+  assert np.all(np.isfinite(dropped))
+  assert np.max(np.abs(np.asarray(dropped[0, :n]) - want)) > 1e-2
+  assert not np.allclose(dropped, attend(*packed, dropout_rng=jax.random.key(1),
+                                         dropout_rate=0.5))
+  other_filler = tuple(a.at[0, n:].set(-a[0, n:] * 3) for a in packed)
+  np.testing.assert_array_equal(attend(*other_filler, dropout_rng=key, dropout_rate=0.5)[0, :n],
+                                dropped[0, :n])
+
+
+def test_fused_attention_implementation_on_this_backend():
+  """cuDNN only for 16-bit inputs of a supported head size on an NVIDIA GPU."""
+  on_nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  assert fused_attention_implementation(jnp.zeros((1, 4, 2, 8), jnp.float32)) == "xla"
+  assert fused_attention_implementation(jnp.zeros((1, 4, 2, 12), jnp.bfloat16)) == "xla"
+  assert fused_attention_implementation(jnp.zeros((1, 4, 2, 256), jnp.bfloat16)) == "xla"
+  assert fused_attention_implementation(jnp.zeros((1, 4, 2, 64), jnp.bfloat16)) == (
+      "cudnn" if on_nvidia else "xla")
+
+
+def test_a_concrete_mask_over_capacity_raises_with_the_counts():
+  mask = _random_mask(np.random.default_rng(600), 4, 6, "holes")
+  n = int(mask.sum())
+  with pytest.raises(ValueError, match=rf"packing capacity {n - 1} .* {n} real tokens"):
+    pack_layout(mask, n - 1)
+  assert int(pack_layout(mask, n).num_tokens) == n
+
+
+def test_a_traced_mask_over_capacity_is_loud_under_jit():
+  """Under jit the count is only known at run time: every output value turns to NaN, the
+  real tokens that did not fit included, rather than tokens being dropped silently; the same
+  compiled function runs a batch that fits."""
+  rng = np.random.default_rng(700)
+  capacity = 10
+  fits = np.zeros((3, 6), np.int32)
+  fits[0, :4] = fits[1, :6] = 1
+  over = np.ones((3, 6), np.int32)
+  over[2, 3:] = 0
+  x = jnp.asarray(rng.standard_normal((3, 6, 2)), jnp.float32)
+
+  @jax.jit
+  def round_trip(mask, x):
+    layout = pack_layout(mask, capacity)
+    return scatter_tokens(gather_tokens(x, layout), layout), layout.overflow
+
+  out, overflow = round_trip(fits, x)
+  np.testing.assert_array_equal(out, x * fits[..., None])
+  assert not overflow
+  out, overflow = round_trip(over, x)
+  assert overflow and np.all(np.isnan(np.asarray(out)))
+
+
+@pytest.mark.parametrize("multiple", [1, 4, 128])
+def test_token_capacity(multiple):
+  """The real tokens rounded up to a multiple, at least one, at most the mask's size."""
+  rng = np.random.default_rng(800 + multiple)
+  for kind in ("right", "holes", "full"):
+    mask = _random_mask(rng, 5, 9, kind)
+    n = max(1, int(mask.sum()))
+    want = min(mask.size, int(np.ceil(n / multiple)) * multiple)
+    assert token_capacity(mask, multiple) == want
+    assert token_capacity(mask, multiple) >= mask.sum()
+  assert token_capacity(np.zeros((2, 3)), 4) == 4
+
+
+def test_fused_attention_needs_an_even_length():
+  """cuDNN's backward with a mask needs an even sequence length: an odd capacity runs XLA."""
+  odd = jnp.zeros((1, 21, 4, 64), jnp.bfloat16)
+  assert fused_attention_implementation(odd) == "xla"
+  even = jnp.zeros((1, 22, 4, 64), jnp.bfloat16)
+  on_nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  assert fused_attention_implementation(even) == ("cudnn" if on_nvidia else "xla")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention runs on GPUs")
+@pytest.mark.parametrize("capacity", [21, 22, 96])
+def test_packed_attention_on_gpu_matches_float32_xla(capacity):
+  """bf16, head size 64, grouped-query, causal: the fused path (or XLA for an odd capacity)
+  and its gradients against float32 XLA, at the real tokens."""
+  rng = np.random.default_rng(capacity)
+  mask = np.zeros((3, 12), np.int32)
+  for row, length in enumerate((7, 12, 1)):
+    mask[row, :length] = 1
+  layout = pack_layout(mask, capacity)
+  shapes = ((1, capacity, 4, 64), (1, capacity, 2, 64), (1, capacity, 2, 64))
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes)
+  cotangent = jnp.asarray(rng.standard_normal(shapes[0]), jnp.float32)
+
+  def run(dtype, implementation):
+    attend = lambda q, k, v: packed_attention(q, k, v, layout, causal=True,
+                                              implementation=implementation)
+    args = tuple(a.astype(dtype) for a in (q, k, v))
+    out, vjp = jax.vjp(attend, *args)
+    return [np.asarray(a, np.float32) for a in (out, *vjp(cotangent.astype(dtype)))]
+
+  real = np.arange(capacity) < mask.sum()
+  for got, want in zip(run(jnp.bfloat16, None), run(jnp.float32, "xla")):
+    got, want = got[0, real], want[0, real]
+    assert np.max(np.abs(got - want)) <= 3e-2 * np.max(np.abs(want))
