@@ -235,7 +235,7 @@ class use_sebp:
           "use_sebp(packed=True) packed nothing: no module of a supported model ran "
           f"({model_families.SUPPORTED}, from transformers), or the function was compiled "
           "before. Use it around such a model's call, inside the traced function.")
-    if self.report.packed:
+    if self._packed_a_region:
       return
     # A model may have embeddings only; but an include of one's own that matches no Dense
     # layer is a typo.

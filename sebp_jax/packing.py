@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sebp_jax.selection import active_rows_from_mask
+
 Array = jax.Array
 
 
@@ -94,10 +96,10 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
   flat = jnp.reshape(mask, (-1,)) != 0
   num_rows = flat.shape[0]
   slots = jnp.arange(capacity, dtype=jnp.int32)
-  (rows,) = jnp.nonzero(flat, size=capacity, fill_value=num_rows)
   num_tokens = jnp.sum(flat, dtype=jnp.int32)
   real = slots < num_tokens
-  rows = jnp.where(real, rows.astype(jnp.int32), num_rows + slots)
+  # The shared SEBP index of the mask, its one sentinel made distinct per slot.
+  rows = jnp.where(real, active_rows_from_mask(flat, capacity), num_rows + slots)
   return PackedLayout(
       batch_shape=(batch, length),
       token_rows=rows,
