@@ -9,7 +9,9 @@ device JAX sees, as ``jax.vjp`` of its forward (XLA drops the unused forward dot
 
 * ``dense``: ``x @ W + b`` in plain jnp, the full backward;
 * ``xla`` / ``pallas`` / ``auto``: :func:`sebp_jax.sebp_linear` with that backend, the index
-  ``selected`` from dY inside the backward or ``given`` (precomputed);
+  ``selected`` from dY inside the backward (``top_n`` = the kept rows, ``overflow="drop"``)
+  or ``given`` (precomputed), or ``top_n="auto"`` (``auto_capacity``: the capacity that
+  holds the kept rows, chosen at run time by a ``lax.switch``);
 * ``kept_matmuls``: the op's dense backward of the kept rows alone, handed over as contiguous
   ``[K, D]`` / ``[K, N]`` arrays (index ``pregathered``): what the reduced matmuls cost with
   no selection, gather or spread, the floor of any implementation built on cuBLAS-class
@@ -40,7 +42,7 @@ from sebp_jax import sebp_linear
 TOKENS = (4096, 16384, 65536)
 KEPT_PERCENT = (5, 10, 20, 50)
 SPARSE_BACKENDS = ("xla", "pallas", "auto")
-INDEX_MODES = ("selected", "given")
+INDEX_MODES = ("selected", "given", "auto_capacity")
 
 
 # ---------------------------------------------------------------------------
@@ -105,13 +107,13 @@ def backward_of(forward):
 dense_backward = backward_of(lambda x, kernel, bias: x @ kernel + bias)
 
 
-def sebp_backward(backend: str, top_n: int):
+def sebp_backward(backend: str, top_n: int | str):
   """The backward of :func:`sebp_jax.sebp_linear`; the index is selected from dY when
   ``active_rows`` is None."""
   def backward(x, kernel, bias, dy, active_rows=None):
     return backward_of(lambda x, kernel, bias: sebp_linear(
-        x, kernel, bias, top_n=top_n, backend=backend, active_rows=active_rows))(
-            x, kernel, bias, dy)
+        x, kernel, bias, top_n=top_n, overflow="drop", backend=backend,
+        active_rows=active_rows))(x, kernel, bias, dy)
   return backward
 
 
@@ -145,6 +147,8 @@ def variants(case: Case):
     fn = sebp_backward(backend, case.num_kept)
     yield backend, "selected", fn, (x, kernel, bias, dy)
     yield backend, "given", fn, (x, kernel, bias, dy, rows)
+  # The defaults: top_n="auto", backend="auto".
+  yield "auto", "auto_capacity", sebp_backward("auto", "auto"), (x, kernel, bias, dy)
   x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
   dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
   yield ("kept_matmuls", "pregathered", sebp_backward("dense", case.num_kept),
@@ -228,11 +232,11 @@ def main(argv=None):
   for case in tqdm(cases, desc="time", file=sys.stderr):
     input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
     inputs = {
-        mode: [(x, kernel, bias, dy) if mode in ("dense", "selected") else
+        mode: [(x, kernel, bias, dy) if mode in ("dense", "selected", "auto_capacity") else
                (x, kernel, bias, dy, active_rows) if mode == "given" else
                (x[active_rows], kernel, bias, dy[active_rows])
                for x, kernel, bias, dy, active_rows in input_sets]
-        for mode in ("dense", "selected", "given", "pregathered")}
+        for mode in ("dense", "selected", "given", "auto_capacity", "pregathered")}
     dense_ms = None
     for backend, mode, _, _ in variants(case):
       ms = median_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
@@ -242,7 +246,7 @@ def main(argv=None):
                           case.num_kept if backend == "kept_matmuls" else case.num_rows,
                           case.num_rows if backend == "dense" else case.num_kept,
                           jnp.dtype(case.dtype).itemsize, rates,
-                          selected=mode == "selected")
+                          selected=mode in ("selected", "auto_capacity"))
       records.append(record(
           shape=case.shape_name, d_in=case.d, d_out=case.n, tokens=case.num_rows,
           kept_percent=case.kept_percent, dtype=case.dtype, backend=backend, index=mode,
@@ -256,7 +260,7 @@ def main(argv=None):
 
 def print_table(records):
   """One line per case: times; speedups over dense (index selected, and auto
-  selected / given); Pallas over XLA (selected, then given); XLA and Pallas
+  selected / given / top_n="auto"); Pallas over XLA (selected, then given); XLA and Pallas
   (selected) time over their roofline; XLA (index given) over the kept rows'
   matmuls alone."""
   by_case = {}
@@ -266,7 +270,8 @@ def print_table(records):
   header = (f"{'shape':>10} {'T':>6} {'kept':>4} | {'dense':>7} "
             f"{'xla-sel':>7} {'pal-sel':>7} {'xla-giv':>7} {'pal-giv':>7} ms | "
             f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal-s':>9} "
-            f"{'xla/pal-g':>9} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} | "
+            f"{'xla/pal-g':>9} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} "
+            f"{'auto-cap':>8} | "
             f"{'matmuls':>7} {'xla-giv/mm':>10}")
   print(header)
   print("-" * len(header))
@@ -282,7 +287,8 @@ def print_table(records):
           f"{v['xla', 'selected']['time_over_roofline']:7.2f}x "
           f"{v['pallas', 'selected']['time_over_roofline']:7.2f}x | "
           f"{v['auto', 'selected']['speedup_over_dense']:7.2f}x "
-          f"{v['auto', 'given']['speedup_over_dense']:7.2f}x | "
+          f"{v['auto', 'given']['speedup_over_dense']:7.2f}x "
+          f"{v['auto', 'auto_capacity']['speedup_over_dense']:7.2f}x | "
           f"{ms['kept_matmuls', 'pregathered']:7.3f} "
           f"{ms['xla', 'given'] / ms['kept_matmuls', 'pregathered']:9.2f}x")
 

@@ -14,8 +14,17 @@ Modes:
   sebp_packed    ``use_sebp(packed=True)``: the encoder / decoder stack and the LM head on the
                  real tokens only (capacity: ``token_capacity``, real tokens rounded up to
                  128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``)
-  sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch)
-  sebp_shared    fixed padding, SEBP with one index from the attention mask
+  sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch,
+                 ``overflow="drop"``: the paper's rule)
+  sebp_layer_auto  per-layer selection, ``top_n="auto"``: each layer branches at run time
+  sebp_shared    fixed padding, SEBP with one index from the attention mask, top_n = the
+                 batch's real tokens, picked on the host (``overflow="nan"``: no branch)
+  sebp_exact     the same top_n with ``overflow="exact"`` (the default) and the mask traced:
+                 each layer branches at run time between top_n and the dense backward
+  sebp_auto      ``top_n="auto"`` (the default), the mask traced: each layer branches at run
+                 time between T/16, T/8, T/4, T/2 and the dense backward
+  sebp_auto_host ``top_n="auto"`` with the mask known on the host while tracing: the rung
+                 that holds the batch is picked then, no branch
   sebp_dense_only  the same, with the embedding lookups left dense (SEBP on Dense layers only)
   sebp_floor     fixed padding, SEBP with a shared index of only 16 rows: the fixed cost of
                  the SEBP path (not a valid gradient; a diagnostic)
@@ -59,7 +68,8 @@ from sebp_jax.packing import fused_attention_implementation, token_capacity
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
-MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_shared", "sebp_dense_only",
+MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
+         "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
          *(LONGEST + m for m in ("dense", "dense_fast_attention", "sebp_shared", "sebp_packed")))
 #: Modes that need a language-model head.
@@ -195,9 +205,10 @@ def length_aware_attention(lengths):
 
 
 def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
-              capacity: int | None = None):
+              capacity: int | None = None, host_mask: np.ndarray | None = None):
   """The loss of ``mode``; ``top_n`` (real tokens) for SEBP, ``capacity`` (at least the real
-  tokens) for packing."""
+  tokens) for packing, ``host_mask`` (the batch's mask as a host array) for
+  ``sebp_auto_host``."""
   mode = mode.removeprefix(LONGEST)
 
   def context(batch):
@@ -207,17 +218,23 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     if mode == "dense_fast_attention":
       return length_aware_attention(jnp.sum(mask, axis=1, dtype=jnp.int32))
     if mode in ("sebp_shared", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
-      return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, backend=backend,
-                      active_mask=mask, embeddings=mode != "sebp_dense_only",
+      return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, overflow="nan",
+                      backend=backend, active_mask=mask, embeddings=mode != "sebp_dense_only",
                       lm_head=mode == "sebp_lm_head")
+    if mode == "sebp_exact":
+      return use_sebp(top_n=top_n, backend=backend, active_mask=mask)
+    if mode in ("sebp_auto", "sebp_auto_host"):
+      return use_sebp(backend=backend, active_mask=host_mask if mode == "sebp_auto_host" else mask)
     if mode == "sebp_layer":
-      return use_sebp(top_n=top_n, backend=backend)
+      return use_sebp(top_n=top_n, overflow="drop", backend=backend)
+    if mode == "sebp_layer_auto":
+      return use_sebp(backend=backend)
     if mode in ("bound", "bound_lm_head"):
       stack = contextlib.ExitStack()
       stack.enter_context(linear_backward_removed(lm_head=mode == "bound_lm_head"))
       # The embeddings as SEBP runs them (no Dense layer matches the include pattern).
-      stack.enter_context(use_sebp(top_n=top_n, active_mask=mask, include=r"(?!)",
-                                   require_swaps=False))
+      stack.enter_context(use_sebp(top_n=top_n, overflow="nan", active_mask=mask,
+                                   include=r"(?!)", require_swaps=False))
       return stack
     return contextlib.nullcontext()
 
@@ -241,7 +258,9 @@ def peak_bytes(compiled) -> int | None:
              + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
 
 
-def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
+def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None):
+  """Measures each mode in turn, appending its record to ``out`` as soon as it is taken (with
+  its ratios to dense, when dense ran first), so that an interrupted run keeps them."""
   setup = setup_for(kind, tiny)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
@@ -255,7 +274,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
   for mode in tqdm(modes, desc=kind, file=sys.stdout):
     mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
     loss_fn = make_loss(kind, model, mode, top_n, backend,
-                        token_capacity(mode_batch["attention_mask"]))
+                        token_capacity(mode_batch["attention_mask"]),
+                        host_mask=mode_batch["attention_mask"])
 
     def step(params, opt_state, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -273,14 +293,15 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str):
         rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
         backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
         compute_dtype="bfloat16", repeats=repeats, backend=backend))
-  dense = next((r for r in rows if r["mode"] == "dense"), None)
-  for row in rows:
+    dense = next((r for r in rows if r["mode"] == "dense"), None)
+    row = rows[-1]
     if dense:
       row["backward_speedup_vs_dense"] = dense["backward_ms"] / row["backward_ms"]
       row["grad_speedup_vs_dense"] = dense["grad_ms"] / row["grad_ms"]
       row["step_speedup_vs_dense"] = dense["step_ms"] / row["step_ms"]
       if dense["peak_bytes"] and row["peak_bytes"]:
         row["peak_memory_vs_dense"] = row["peak_bytes"] / dense["peak_bytes"]
+    append_json_lines(out, [row])
   return rows
 
 
@@ -320,9 +341,8 @@ def main(argv=None) -> list[dict]:
     parser.error("--repeats must be positive")
   rows = []
   for kind in args.model or sorted(SETUPS):
-    rows += run(kind, modes, args.repeats, args.tiny, args.seed, args.backend)
+    rows += run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out)
   print_table(rows)
-  append_json_lines(args.out, rows)
   return rows
 
 

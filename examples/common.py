@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import median_ms
 from examples.datasets import DATA_DIR
-from sebp_jax import use_sebp
+from sebp_jax import RowLog, use_sebp
 
 LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
 
@@ -48,6 +48,10 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
   parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
                       help="the SEBP run also packs the model's layers onto the real tokens "
                            "(use_sebp(packed=True)): padding costs nothing in the whole step")
+  parser.add_argument("--row-log", action="store_true",
+                      help="log, per step and layer, what the SEBP backward did (active and "
+                           "kept rows, capacity, share of dY's norm dropped) and print it; "
+                           "packed, only the layers outside the packed stack run SEBP")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
@@ -60,10 +64,22 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
 
 def sebp_context(top_n: int | None, attention_mask, **sebp_kwargs):
   """``use_sebp`` on the index of the batch's real tokens (more ``use_sebp`` arguments in
-  ``sebp_kwargs``), or nothing (dense) for None."""
+  ``sebp_kwargs``), or nothing (dense) for None.
+
+  ``top_n`` covers every batch of the run, picked on the host, so no batch can overflow it:
+  ``overflow="nan"`` compiles no run-time branch (and would show a mistake as NaN)."""
   if top_n is None:
     return contextlib.nullcontext()
-  return use_sebp(top_n=top_n, active_mask=attention_mask, **sebp_kwargs)
+  return use_sebp(top_n=top_n, overflow="nan", active_mask=attention_mask, **sebp_kwargs)
+
+
+def print_row_log(log: RowLog | None) -> str | None:
+  """Prints and returns the row log's per-layer table (None without a log)."""
+  if log is None:
+    return None
+  table = log.summary()
+  print(f"SEBP row log, per layer over the run:\n{table}")
+  return table
 
 
 def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],

@@ -26,10 +26,11 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import (fit, max_loss_difference, parse_training_args,
+from examples.common import (fit, max_loss_difference, parse_training_args, print_row_log,
                              save_run, sebp_context, speedups, time_forward_backward)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
+from sebp_jax import RowLog
 
 MODES = ("dense", "sebp")
 
@@ -43,13 +44,14 @@ def parse_args(argv=None):
                              timing_repeats=5, out="runs/sst2", extra=dev_examples)
 
 
-def make_loss(model, sebp_top_n: int | None, packed: bool):
+def make_loss(model, sebp_top_n: int | None, packed: bool, row_log: RowLog | None = None):
   """Mean cross-entropy of a batch; with ``sebp_top_n``, the encoder packed onto the batch's
   real tokens (``packed``) or its Dense layers on SEBP with their index (exact either way: the
   loss reads [CLS] only and attention masks padding). Dropout is off: the run is short, and
   dense and SEBP then see identical forwards."""
   def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"], packed=packed):
+    with sebp_context(sebp_top_n, batch["attention_mask"], packed=packed,
+                      row_log=row_log):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
@@ -73,20 +75,26 @@ def accuracy(model, params, dev: dict[str, np.ndarray], batch_size: int, desc: s
   return correct / len(dev["labels"])
 
 
+def load_train_batches(tokenizer, args) -> list[dict[str, np.ndarray]]:
+  """``args.steps`` batches of SST-2 training sentences in a seeded random order, padded to
+  ``args.max_length``, with their labels."""
+  train = load_sst2("train", data_dir=args.data_dir)
+  order = np.random.default_rng(args.seed).permutation(len(train))[:args.steps * args.batch_size]
+  sentences = [train[i] for i in order]
+  arrays = encode_fixed_length(tokenizer, [s for s, _ in sentences], args.max_length)
+  arrays["labels"] = np.array([label for _, label in sentences], np.int32)
+  return list(batches(arrays, args.batch_size))
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   args.out.mkdir(parents=True, exist_ok=True)
 
   model, initial_params, tokenizer = load_bert_classifier(num_labels=2, seed=args.seed)
-  train = load_sst2("train", data_dir=args.data_dir)
-  order = np.random.default_rng(args.seed).permutation(len(train))[:args.steps * args.batch_size]
-  train_sentences = [train[i] for i in order]
-  train_arrays = encode_fixed_length(tokenizer, [s for s, _ in train_sentences], args.max_length)
-  train_arrays["labels"] = np.array([label for _, label in train_sentences], np.int32)
   dev_sentences = load_sst2("dev", data_dir=args.data_dir, limit=args.dev_examples)
   dev = encode_fixed_length(tokenizer, [s for s, _ in dev_sentences], args.max_length)
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
-  train_batches = list(batches(train_arrays, args.batch_size))
+  train_batches = load_train_batches(tokenizer, args)
 
   # top_n must be static: the most real tokens in any batch of the run, so every step is exact
   # (and, packed, one compiled step serves them all).
@@ -100,8 +108,11 @@ def main(argv=None) -> dict:
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
                                                 args.steps)
   optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
-  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None, args.packed)
-              for mode in MODES}
+  row_log = RowLog() if args.row_log else None
+  losses_of = lambda log: {mode: make_loss(model, top_n if mode == "sebp" else None,
+                                           args.packed, log if mode == "sebp" else None)
+                           for mode in MODES}
+  loss_fns = losses_of(row_log)
   results = {}
   for mode in MODES:
     params, losses = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
@@ -110,10 +121,12 @@ def main(argv=None) -> dict:
     print(f"{mode}: final loss (mean of last 10) {np.mean(losses[-10:]):.4f}, "
           f"dev accuracy {dev_accuracy:.2%}")
 
-  timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
+  # Timed without the row log: its callbacks are host round trips.
+  timings = time_forward_backward(losses_of(None), initial_params, train_batches[0],
                                   args.timing_repeats)
   ratios = speedups(timings, args.timing_repeats)
   loss_difference = max_loss_difference({mode: results[mode]["losses"] for mode in MODES})
+  row_table = print_row_log(row_log)
 
   summary = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "steps": len(train_batches),
@@ -122,7 +135,7 @@ def main(argv=None) -> dict:
       "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "backward_speedup": ratios["backward"],
       "gradient_speedup": ratios["forward_backward"], "timings": timings,
-      "max_loss_difference": loss_difference,
+      "max_loss_difference": loss_difference, "row_log": row_table,
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
       "losses": {mode: results[mode]["losses"] for mode in MODES},

@@ -26,10 +26,11 @@ import jax
 import numpy as np
 import optax
 
-from examples.common import (fit, max_loss_difference, parse_training_args,
+from examples.common import (fit, max_loss_difference, parse_training_args, print_row_log,
                              save_run, sebp_context, speedups, time_forward_backward)
 from examples.datasets import batches, encode_fixed_length, load_wikitext2
 from examples.pretrained import load_smollm2
+from sebp_jax import RowLog
 from sebp_jax.losses import masked_causal_lm_loss
 
 MODES = ("dense", "sebp")
@@ -47,12 +48,13 @@ def _add_lm_head_flag(parser):
                            "(use_sebp(lm_head=...)); packed, it runs on the real tokens anyway")
 
 
-def make_loss(model, sebp_top_n: int | None, lm_head: bool, packed: bool):
+def make_loss(model, sebp_top_n: int | None, lm_head: bool, packed: bool, row_log: RowLog | None = None):
   """Masked next-token loss; with ``sebp_top_n``, the model packed onto the real tokens
   (``packed``) or its projections (and with ``lm_head`` the LM head) on SEBP with the shared
   index, and the loss's log-softmax on ``sebp_top_n`` rows."""
   def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"], lm_head=lm_head, packed=packed):
+    with sebp_context(sebp_top_n, batch["attention_mask"], lm_head=lm_head, packed=packed,
+                      row_log=row_log):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
@@ -60,11 +62,9 @@ def make_loss(model, sebp_top_n: int | None, lm_head: bool, packed: bool):
   return loss_fn
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
-  args.out.mkdir(parents=True, exist_ok=True)
-
-  model, initial_params, tokenizer = load_smollm2()
+def load_train_batches(tokenizer, args) -> list[dict[str, np.ndarray]]:
+  """``args.steps`` batches of WikiText-2 paragraphs in a seeded random order, padded to
+  ``args.max_length``."""
   paragraphs = load_wikitext2(data_dir=args.data_dir)
   order = np.random.default_rng(args.seed).permutation(len(paragraphs))
   chosen = [paragraphs[i] for i in order[:args.steps * args.batch_size]]
@@ -72,6 +72,15 @@ def main(argv=None) -> dict:
   train_batches = list(batches(arrays, args.batch_size))
   if len(train_batches) < args.steps:
     raise SystemExit(f"WikiText-2 has only {len(train_batches)} batches of {args.batch_size}")
+  return train_batches
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  args.out.mkdir(parents=True, exist_ok=True)
+
+  model, initial_params, tokenizer = load_smollm2()
+  train_batches = load_train_batches(tokenizer, args)
 
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   top_n = max(real_tokens)  # static, and covers every batch: every step is exact
@@ -80,18 +89,24 @@ def main(argv=None) -> dict:
         f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows}")
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
-  loss_fns = {mode: make_loss(model, top_n if mode == "sebp" else None, args.lm_head,
-                             args.packed) for mode in MODES}
+  row_log = RowLog() if args.row_log else None
+  losses_of = lambda log: {mode: make_loss(model, top_n if mode == "sebp" else None,
+                                           args.lm_head, args.packed,
+                                           log if mode == "sebp" else None)
+                           for mode in MODES}
+  loss_fns = losses_of(row_log)
   losses = {}
   for mode in MODES:
     _, losses[mode] = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
     print(f"{mode}: loss {losses[mode][0]:.4f} -> {np.mean(losses[mode][-5:]):.4f} "
           "(first step -> mean of last 5)")
 
-  timings = time_forward_backward(loss_fns, initial_params, train_batches[0],
+  # Timed without the row log: its callbacks are host round trips.
+  timings = time_forward_backward(losses_of(None), initial_params, train_batches[0],
                                   args.timing_repeats)
   ratios = speedups(timings, args.timing_repeats)
   loss_difference = max_loss_difference(losses)
+  row_table = print_row_log(row_log)
 
   summary = {
       "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "data": "WikiText-2 valid",
@@ -101,7 +116,7 @@ def main(argv=None) -> dict:
       "seed": args.seed, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "backward_speedup": ratios["backward"],
       "gradient_speedup": ratios["forward_backward"], "timings": timings,
-      "max_loss_difference": loss_difference, "losses": losses,
+      "max_loss_difference": loss_difference, "row_log": row_table, "losses": losses,
   }
   save_run(args.out, summary, {m: m for m in MODES},
            f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; SEBP"

@@ -16,14 +16,18 @@ from sebp_jax.intercept import SEBPReport, use_sebp
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n
 from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_embed_lookup, sebp_linear
 from sebp_jax.packing import token_capacity
-from sebp_jax.selection import active_rows_from_mask, row_scores, select_active_rows
+from sebp_jax.report import RowLog
+from sebp_jax.selection import (active_rows_from_mask, capacity_ladder, row_scores,
+                                select_active_rows)
 
 __all__ = [
     "SEBPDense",
     "SEBPEmbed",
     "SEBPReport",
+    "RowLog",
     "SEBP_CHECKPOINT_NAME",
     "active_rows_from_mask",
+    "capacity_ladder",
     "register_implementation",
     "resolve_top_n",
     "row_scores",

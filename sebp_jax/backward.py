@@ -2,25 +2,34 @@
 
 Each backward takes the output gradient flattened to ``dy: [T, F]`` and
 
-1. finds the rows to keep (:func:`kept_rows`): scored from dY, or an index given by the
-   caller, which is then checked for NaN/Inf in the rows it skips;
-2. computes the gradients from those rows alone: :func:`linear_backward` through the
+1. finds the active rows (:func:`candidate_rows`): those whose max ``|value|`` exceeds the
+   threshold (or that hold NaN/Inf), among every row or among an index given by the caller,
+   whose skipped rows are then checked for NaN/Inf;
+2. picks, from static shapes, the capacities it may run at (:func:`capacities`): with
+   ``overflow="exact"`` one that holds every active row is taken at run time (a
+   ``lax.switch``), the last being the dense backward of the active rows;
+3. computes the gradients from the kept rows alone: :func:`linear_backward` through the
    implementation that :func:`sebp_jax.cost_model.choose_implementation` picks,
    :func:`embedding_backward` by a scatter of the kept rows into the table.
+
+Whatever the capacity, the gradient is that of the same rows: the kept set depends on dY, the
+threshold and the index, never on the shapes (except where ``overflow="drop"`` drops rows).
 
 Arguments are assumed valid here: the public ops check them once, at their boundary.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from sebp_jax.cost_model import choose_implementation
 from sebp_jax.implementations import accumulation_dtype, gather_rows, get_implementation
-from sebp_jax.selection import select_active_rows
+from sebp_jax.selection import capacity_ladder, row_scores, select_active_rows
 
 Array = jax.Array
 
@@ -57,74 +66,226 @@ def nan_if_not_finite(dy: Array) -> Array:
   return (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
 
 
-def kept_rows(dy: Array, *, top_n: int, threshold: float,
-              active_rows: Array | None) -> tuple[Array, Array | None]:
-  """``(rows, poison)``: the ``int32[K]`` index of the rows of ``dy: [T, F]`` to keep (sorted,
-  padded with the sentinel T) and the NaN check its gradients must carry, or None.
+#: What the backward does when more rows are active than ``top_n``: ``"exact"`` runs a larger
+#: capacity (the dense backward last) chosen at run time; ``"nan"`` makes the gradients NaN;
+#: ``"drop"`` keeps the ``top_n`` of largest L2 norm (the SEBP paper's rule).
+OVERFLOW_MODES = ("exact", "nan", "drop")
 
-  Without ``active_rows`` the top ``top_n`` rows are selected from dY; a row holding NaN/Inf
-  is always kept, so nothing needs checking. A given index never looks at dY, so a NaN/Inf in
-  a row it skips would vanish: the poison makes dW and db NaN instead.
+
+def capacities(top_n: int | str, overflow: str, num_candidates: int) -> tuple[int, ...]:
+  """The static capacities (kept-row counts) a backward over ``num_candidates`` candidate rows
+  may run at, smallest first. Only ``"exact"`` and ``"auto"`` give more than one: the last
+  holds every candidate."""
+  if top_n == "auto":
+    return (*capacity_ladder(num_candidates), num_candidates)
+  if top_n >= num_candidates:
+    return (num_candidates,)
+  return (top_n, num_candidates) if overflow == "exact" else (top_n,)
+
+
+def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, size: int,
+                   check_listed: bool) -> tuple[Array, Array, Array, Array | None]:
+  """``(rows, active, count, poison)`` for ``dy: [T, F]``.
+
+  ``rows``: ``int32[size]``, the active rows in ascending order, then the sentinel T (the
+  first ``size`` of them when more are active); with ``active_rows`` given, its entries that
+  are active (``size`` is then its length; with ``check_listed=False`` and no threshold, every
+  entry counts as active, as zero rows add nothing to the gradients: for callers that need
+  no count). ``active``: ``bool[T]``, every active row.
+  ``count``: how many rows are active. ``poison``:
+  None, or, with an index, 0 or NaN as dY is finite or not: a NaN/Inf in a row the index
+  skips must still reach dW and db.
   """
+  num_rows = dy.shape[0]
   if active_rows is None:
-    return select_active_rows(dy, top_n, threshold), None
-  return active_rows, nan_if_not_finite(dy)
+    _, active = row_scores(dy, threshold)
+    (rows,) = jnp.nonzero(active, size=size, fill_value=num_rows)
+    return rows.astype(jnp.int32), active, jnp.sum(active, dtype=jnp.int32), None
+  rows = active_rows
+  if threshold > 0 or check_listed:
+    _, listed_active = row_scores(gather_rows(dy, rows), threshold)
+    rows = jnp.sort(jnp.where(listed_active, rows, num_rows))
+  return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32),
+          nan_if_not_finite(dy))
 
 
-def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int, threshold: float = 0.0,
+def largest_rows(dy: Array, rows: Array, top_n: int, threshold: float) -> Array:
+  """The ``top_n`` of ``rows`` whose rows of ``dy`` have the largest L2 norm (NaN/Inf first),
+  sorted; inactive entries (and sentinels) rank last and come back as the sentinel."""
+  num_rows = dy.shape[0]
+  scores, _ = row_scores(gather_rows(dy, rows), threshold)
+  best_scores, slots = lax.top_k(scores, top_n)
+  return jnp.sort(jnp.where(best_scores >= 0, rows[slots], num_rows))
+
+
+def rows_mask(rows: Array, num_rows: int) -> Array:
+  """``bool[num_rows]``, True at the rows listed in ``rows`` (sentinels ignored)."""
+  return jnp.zeros((num_rows,), bool).at[rows].set(True, mode="drop")
+
+
+def overflow_poison(count: Array, capacity: int) -> Array:
+  """float32 NaN when ``count`` active rows do not fit in ``capacity``, else 0."""
+  return jnp.where(count > capacity, jnp.nan, 0.0).astype(jnp.float32)
+
+
+def _add(poison: Array | None, more: Array | None) -> Array | None:
+  return more if poison is None else poison if more is None else poison + more
+
+
+def _record(row_log, dy: Array, kept: Array, count: Array, capacity: Array) -> None:
+  """Sends one layer's row statistics to ``row_log`` (a :class:`sebp_jax.report.RowLog` entry
+  point) from inside the trace: active and kept rows, capacity run, dropped norm share, and
+  each row's max ``|value|`` and squared L2 norm."""
+  dy32 = (jnp.abs(dy) if jnp.iscomplexobj(dy) else dy).astype(jnp.float32)
+  squared = jnp.sum(dy32 * dy32, axis=1)
+  total = jnp.sum(squared)
+  dropped = jnp.sum(jnp.where(kept, 0.0, squared))
+  share = jnp.where(total > 0, dropped / jnp.where(total > 0, total, 1.0), 0.0)
+  jax.debug.callback(row_log, count, jnp.sum(kept, dtype=jnp.int32), capacity, share,
+                     dy.shape[0], jnp.max(jnp.abs(dy32), axis=1, initial=0), squared)
+
+
+def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
+                    threshold: float = 0.0, overflow: str = "exact",
                     active_rows: Array | None = None, backend: str = "auto",
-                    with_bias: bool, precision: Any = None, dkernel_dtype: Any = None):
+                    with_bias: bool, precision: Any = None, dkernel_dtype: Any = None,
+                    row_log=None):
   """dX, dW and db of ``y = x @ kernel + b`` from the kept rows of dY.
 
   Args:
     x: ``[T, D]`` forward input.
     kernel: ``[D, N]``.
     dy: ``[T, N]`` output gradient.
-    top_n: rows kept when selecting from dY (a static positive int).
+    top_n: ``"auto"`` or the capacity, a static positive int.
     threshold: a row is active when its max ``|value|`` exceeds this.
-    active_rows: optional ``int32[K]`` index of the rows to keep (sorted, padded with T),
-      ``K >= 1``. An implementation that keeps every row (``"dense"``) has no use for it.
+    overflow: one of :data:`OVERFLOW_MODES`.
+    active_rows: optional ``int32[K]`` index of the rows that may be active (sorted, padded
+      with T), ``K >= 1``: the others count as inactive.
     backend: ``"auto"`` or a registered implementation (:mod:`sebp_jax.implementations`).
     with_bias: whether to return db.
     precision: ``lax.Precision`` of the dots.
     dkernel_dtype: dtype of dW; default the accumulation dtype.
+    row_log: optional callable of ``(active, kept, capacity, share_dropped, rows,
+      row_max_abs, row_squared_norm)``, called through ``jax.debug.callback`` once per
+      backward.
 
   Returns:
     ``(dx [T, D] in x's dtype, dkernel [D, N], dbias [N] in the accumulation dtype or None)``.
   """
   num_rows, in_features = x.shape
-  name = choose_implementation(
-      backend, num_rows=num_rows, in_features=in_features, out_features=kernel.shape[1],
-      top_n=top_n if active_rows is None else active_rows.shape[0],
-      itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
-  implementation = get_implementation(name)
-  rows, poison = None, None
-  if implementation.takes_index:
-    dy = first_order_only(dy)
-    rows, poison = kept_rows(dy, top_n=top_n, threshold=threshold, active_rows=active_rows)
-  return implementation.backward(x, kernel, dy, rows, with_bias=with_bias, precision=precision,
-                                 poison=poison, dkernel_dtype=dkernel_dtype)
+  if top_n == "auto":
+    overflow = "exact"  # Its last capacity holds every row: nothing can overflow.
+  num_candidates = num_rows if active_rows is None else active_rows.shape[0]
+  plan = capacities(top_n, overflow, num_candidates)
+  if num_rows == 0 or (plan == (num_rows,) and active_rows is None and threshold == 0
+                       and row_log is None):
+    # Every row, none chosen from dY's values: the dense backward, differentiable again.
+    return get_implementation("dense").backward(
+        x, kernel, dy, None, with_bias=with_bias, precision=precision,
+        dkernel_dtype=dkernel_dtype)
+  dy = first_order_only(dy)
+  # ``active``: every active row, or None where ``rows`` are the kept rows and all of them.
+  if overflow == "drop" and active_rows is None and plan[0] < num_rows:
+    rows, active, count, poison = select_active_rows(dy, plan[0], threshold), None, None, None
+  else:
+    # The largest capacity below every row is the most any branch gathers.
+    size = (max([c for c in plan if c < num_rows] or [1]) if active_rows is None
+            else num_candidates)
+    overflows = overflow != "exact" and plan[0] < num_candidates
+    rows, active, count, poison = candidate_rows(
+        dy, threshold=threshold, active_rows=active_rows, size=size,
+        check_listed=len(plan) > 1 or overflows or row_log is not None)
+    if overflows:
+      if overflow == "drop":
+        rows = largest_rows(dy, rows, plan[0], threshold)
+      else:
+        poison = _add(poison, overflow_poison(count, plan[0]))
+        rows = rows[:plan[0]]
+      active = None
+  # Rows that a dense backward must zero: those the threshold or the index leaves out.
+  masked = active_rows is not None or threshold > 0
+
+  def run_at(capacity: int):
+    name = "dense" if capacity >= num_rows else choose_implementation(
+        backend, num_rows=num_rows, in_features=in_features, out_features=kernel.shape[1],
+        top_n=capacity, itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
+    implementation = get_implementation(name)
+    if implementation.takes_index:
+      return implementation.backward(x, kernel, dy, rows[:capacity], with_bias=with_bias,
+                                     precision=precision, poison=poison,
+                                     dkernel_dtype=dkernel_dtype)
+    if masked:
+      kept = active if active is not None and capacity > rows.shape[0] else rows_mask(
+          rows[:capacity], num_rows)
+      dy_kept = jnp.where(kept[:, None], dy, 0)
+    else:
+      dy_kept = dy
+    dx, dkernel, dbias = implementation.backward(x, kernel, dy_kept, None, with_bias=with_bias,
+                                                 precision=precision,
+                                                 dkernel_dtype=dkernel_dtype)
+    if poison is not None:
+      dkernel = dkernel + poison.astype(dkernel.dtype)
+      dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
+    return dx, dkernel, dbias
+
+  if len(plan) == 1:
+    capacity = jnp.int32(plan[0])
+    dx, dkernel, dbias = run_at(plan[0])
+  else:
+    # The smallest capacity that holds every active row.
+    branch = jnp.sum(count > jnp.asarray(plan[:-1]), dtype=jnp.int32)
+    capacity = jnp.asarray(plan, jnp.int32)[branch]
+    dx, dkernel, dbias = lax.switch(branch, [functools.partial(run_at, c) for c in plan])
+  if overflow == "nan" and poison is not None:
+    dx = dx + poison.astype(dx.dtype)  # The rows left out are missing from dX as well.
+  if row_log is not None:
+    if count is None:
+      count = jnp.sum(row_scores(dy, threshold)[1], dtype=jnp.int32)
+    _record(row_log, dy, rows_mask(rows, num_rows) if active is None else active, count,
+            capacity)
+  return dx, dkernel, dbias
 
 
-def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int,
-                       threshold: float = 0.0, active_rows: Array | None = None) -> Array:
+def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | str,
+                       threshold: float = 0.0, overflow: str = "exact",
+                       active_rows: Array | None = None, row_log=None) -> Array:
   """The gradient of ``table[ids]`` with respect to the table, from the kept rows of dY.
 
   Args:
     ids: ``int[T]`` token ids.
     dy: ``[T, F]`` output gradient.
     num_embeddings: rows of the table.
-    top_n, threshold, active_rows: as in :func:`linear_backward`.
+    top_n, threshold, overflow, active_rows, row_log: as in :func:`linear_backward`, except
+      that ``"exact"`` and ``"auto"`` scatter every active row at once: a scatter of all of
+      them costs little more than of ``top_n``, and needs no run-time branch.
 
   Returns:
     ``[num_embeddings, F]`` in the accumulation dtype (float32 for 16-bit dY): the
     scatter-add of the kept rows of dY at their ids.
   """
   accumulate = accumulation_dtype(dy.dtype)
-  if dy.shape[0] == 0:  # No rows: nothing to gather from.
+  num_rows = dy.shape[0]
+  if num_rows == 0:  # No rows: nothing to gather from.
     return jnp.zeros((num_embeddings, dy.shape[1]), accumulate)
   dy = first_order_only(dy)
-  rows, poison = kept_rows(dy, top_n=top_n, threshold=threshold, active_rows=active_rows)
+  num_candidates = num_rows if active_rows is None else active_rows.shape[0]
+  capacity = num_candidates if top_n == "auto" or overflow == "exact" else min(top_n,
+                                                                               num_candidates)
+  if overflow == "drop" and active_rows is None and capacity < num_rows:
+    rows, count, poison = select_active_rows(dy, capacity, threshold), None, None
+  else:
+    rows, _, count, poison = candidate_rows(
+        dy, threshold=threshold, active_rows=active_rows, size=num_candidates,
+        check_listed=capacity < num_candidates or row_log is not None)
+    if overflow == "drop" and capacity < rows.shape[0]:
+      rows = largest_rows(dy, rows, capacity, threshold)
+    elif overflow == "nan" and capacity < rows.shape[0]:
+      poison = _add(poison, overflow_poison(count, capacity))
+      rows = rows[:capacity]
+  if row_log is not None:
+    if count is None:
+      count = jnp.sum(row_scores(dy, threshold)[1], dtype=jnp.int32)
+    _record(row_log, dy, rows_mask(rows, num_rows), count, jnp.int32(rows.shape[0]))
   # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
   # are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
   ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))

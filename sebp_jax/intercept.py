@@ -26,13 +26,17 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sebp_jax import model_families
-from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n, sebp_dense_call, sebp_embed_call
-from sebp_jax.ops import validate_backend, validate_threshold, validate_top_n
+from sebp_jax.layers import (SEBPDense, SEBPEmbed, module_path, resolve_top_n, sebp_dense_call,
+                             sebp_embed_call)
+from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow,
+                          validate_threshold, validate_top_n)
 from sebp_jax.packing import (PackedLayout, gather_tokens, pack_layout, packed_attention,
-                              scatter_tokens)
-from sebp_jax.selection import active_rows_from_mask
+                              scatter_tokens, token_capacity)
+from sebp_jax.report import RowLog
+from sebp_jax.selection import active_rows_from_mask, capacity_ladder
 
 logger = logging.getLogger("sebp_jax")
 
@@ -85,12 +89,6 @@ class SEBPReport:
             f"{len(self.skipped)} left dense")
 
 
-def module_path(module: nn.Module) -> str:
-  """A bound module's path joined with ``/``; ``"<root>"`` for a top-level module (also a
-  module applied on its own through ``.apply`` inside another one)."""
-  return "/".join(module.path) or "<root>"
-
-
 class use_sebp:
   """Runs the selected ``nn.Dense`` layers of any linen model with the SEBP backward.
 
@@ -104,10 +102,21 @@ class use_sebp:
       loss_fn = use_sebp(top_n=2048)(loss_fn)
 
   Args:
-    top_n: rows of each layer's flattened dY kept in the backward: an int, or a float in (0, 1]
-      for a kept fraction of that layer's rows. Choose it to cover the real (non-padding)
-      tokens of the largest batch: with ``active_mask`` the count of ones in the mask.
+    top_n: each layer's capacity of kept rows of its flattened dY: ``"auto"`` (default), an
+      int, or a float in (0, 1] for a kept fraction of that layer's rows. ``"auto"`` takes the
+      smallest of T/16, T/8, T/4, T/2 (else every row) that holds the active rows: from the
+      mask on the host when ``active_mask`` is concrete (no run-time branch), else at run time
+      in each layer's backward (a ``lax.switch``).
     threshold: rows of dY whose max ``|value|`` is at most this count as zero.
+    overflow: what happens when more rows are active than an int ``top_n`` holds:
+      ``"exact"`` (default) runs a larger capacity (the dense backward of the active rows),
+      decided on the host from a concrete ``active_mask``, else by a run-time branch in each
+      layer; ``"nan"`` makes the gradients NaN instead, with no branch (a concrete mask
+      raises at once): the fast choice when ``top_n`` comes from the batch on the host
+      (:func:`sebp_jax.token_capacity`); ``"drop"`` keeps the ``top_n`` rows of largest L2
+      norm, as the SEBP paper does.
+    row_log: a :class:`sebp_jax.RowLog` that every swapped layer's backward reports to (active
+      and kept rows, capacity, dropped share of dY's norm), through ``jax.debug.callback``.
     include: regex searched in the module path (``"bert/encoder/layer/0/attention/self/query"``,
       ``"Dense_0"``); a Dense layer is swapped when it matches ``include`` and not ``exclude``.
       Default: every Dense layer. Subclasses of ``nn.Dense`` / ``nn.Embed`` with their own
@@ -160,16 +169,24 @@ class use_sebp:
   Contexts do not nest: entering one while another is active raises.
   """
 
-  def __init__(self, top_n: int | float, threshold: float = 0.0, *,
-               include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
-               active_mask: jax.Array | None = None, backend: str = "auto",
-               embeddings: bool = True, lm_head: bool = False, packed: bool = False,
+  def __init__(self, top_n: int | float | str = "auto", threshold: float = 0.0, *,
+               overflow: str = "exact", include: str = DEFAULT_INCLUDE,
+               exclude: str | None = DEFAULT_EXCLUDE, active_mask: jax.Array | None = None,
+               backend: str = "auto", embeddings: bool = True, lm_head: bool = False,
+               packed: bool = False, row_log: RowLog | None = None,
                require_swaps: bool = True):
-    validate_top_n(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
+    validate_capacity(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
+    self.overflow = validate_overflow(overflow)
     if packed and active_mask is None:
       raise ValueError("use_sebp(packed=True) needs active_mask: the [B, L] mask of the real "
                        "tokens to pack")
+    if packed and overflow == "drop":
+      raise ValueError("use_sebp(packed=True) cannot drop tokens: overflow must be 'exact' or "
+                       "'nan'")
+    if row_log is not None and not isinstance(row_log, RowLog):
+      raise ValueError(f"row_log must be a sebp_jax.RowLog, got {type(row_log).__name__}")
     self.top_n = top_n
+    self.row_log = row_log
     self.threshold = validate_threshold(threshold)
     self.include = re.compile(include)
     self.exclude = re.compile(exclude) if exclude else None
@@ -182,6 +199,7 @@ class use_sebp:
     self.report = SEBPReport()
     self._contexts: list[contextlib.ExitStack] = []
     self._shared_rows: jax.Array | None = None
+    self._shared_top_n: int | str | None = None
     self._layout: PackedLayout | None = None
     # The family whose region is running, and whether one ran in this context.
     self._region_family: model_families.PackedFamily | None = None
@@ -191,7 +209,7 @@ class use_sebp:
     # Each call of a decorated function gets its own context and report.
     fresh = use_sebp.__new__(use_sebp)
     fresh.__dict__.update(self.__dict__, report=SEBPReport(), _contexts=[], _shared_rows=None,
-                          _layout=None, _region_family=None, _packed_a_region=False)
+                          _shared_top_n=None, _layout=None, _region_family=None, _packed_a_region=False)
     return fresh
 
   def __call__(self, fn: Callable) -> Callable:
@@ -208,16 +226,10 @@ class use_sebp:
       raise RuntimeError(
           "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
           "model call, with the options of all its layers (include/exclude pick layers).")
-    if self.active_mask is not None:
-      mask = jnp.asarray(self.active_mask)
+    if self.active_mask is not None and jnp.size(self.active_mask) > 0:
       # Computed here, in the trace that entered the context, so that layers traced inside
       # nn.scan / nn.remat close over it instead of leaking an inner tracer out.
-      top_n = resolve_top_n(self.top_n, mask.size)
-      self._shared_rows = active_rows_from_mask(mask, top_n)
-      if self.packed:
-        # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
-        self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
-        self.report.capacity = top_n
+      self._share_mask_index()
     stack = contextlib.ExitStack()
     stack.enter_context(nn.intercept_methods(self._intercept))
     self._contexts.append(stack)
@@ -248,11 +260,47 @@ class use_sebp:
           "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
           "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
           f"layer{' (' + skipped + ')' if skipped else ''}.")
-    if self.require_swaps and self.active_mask is not None and not self.report.shared_index:
+    if self.require_swaps and self._shared_rows is not None and not self.report.shared_index:
       raise RuntimeError(
           f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
           "no Dense input had it as its leading dimensions and no embedding's ids had its "
           "shape. Pass the mask of the tokens the layers see (e.g. attention_mask [B, L]).")
+
+  def _share_mask_index(self) -> None:
+    """The index of ``active_mask``'s tokens that every layer on its rows shares, and the
+    capacity those layers run at; with ``packed``, the packed layout."""
+    num_rows = math.prod(jnp.shape(self.active_mask))
+    top_n = resolve_top_n(self.top_n, num_rows)
+    concrete = not isinstance(self.active_mask, jax.core.Tracer)
+    count = int(np.count_nonzero(np.asarray(self.active_mask))) if concrete else None
+    if self.packed:
+      if concrete and (top_n == "auto" or (self.overflow == "exact" and count > top_n)):
+        top_n = token_capacity(self.active_mask)
+      elif top_n == "auto":
+        raise ValueError(
+            "use_sebp(packed=True) packs into a static capacity, and active_mask is traced: "
+            "pick it on the host, top_n=sebp_jax.token_capacity(mask), and pass it as a static "
+            "argument of the jitted function")
+      # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
+      self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
+      self.report.capacity = top_n
+      self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
+      self._shared_top_n = top_n
+      return
+    if concrete and self.overflow != "drop":
+      # Every real token fits: the index is complete, and no layer needs to branch.
+      if self.overflow == "nan" and top_n != "auto" and count > top_n:
+        raise ValueError(f"active_mask has {count} real tokens, more than top_n={top_n} "
+                         "(overflow='nan'): give a top_n of at least that")
+      if top_n == "auto" or count > top_n:
+        top_n = next((rung for rung in capacity_ladder(num_rows) if rung >= count), num_rows)
+      size = top_n
+    elif self.overflow == "nan" and top_n != "auto":
+      size = min(num_rows, top_n + 1)  # One slot past top_n tells an overflow.
+    else:
+      size = num_rows  # Every real token: the layers choose their capacity at run time.
+    self._shared_rows = active_rows_from_mask(self.active_mask, size)
+    self._shared_top_n = top_n
 
   def _record(self, bucket: list[str], path: str) -> None:
     if path not in bucket:
@@ -271,7 +319,7 @@ class use_sebp:
     mask_shape = jnp.shape(self.active_mask)
     if tuple(row_shape) == mask_shape:
       self._record(self.report.shared_index, path)
-      return self._shared_rows, self._shared_rows.shape[0]
+      return self._shared_rows, self._shared_top_n
     if math.prod(row_shape) == math.prod(mask_shape):
       return None, self.top_n
     return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
@@ -358,7 +406,9 @@ class use_sebp:
     if is_embed:
       self._record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                             active_rows=active_rows)
+                             overflow=self.overflow, active_rows=active_rows,
+                             row_log=self.row_log)
     self._record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                           backend=self.backend, active_rows=active_rows)
+                           backend=self.backend, overflow=self.overflow,
+                           active_rows=active_rows, row_log=self.row_log)

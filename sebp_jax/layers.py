@@ -16,16 +16,17 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_embed_lookup, sebp_linear
+from sebp_jax.report import RowLog
 
 Array = jax.Array
 
 
-def resolve_top_n(top_n: int | float, num_rows: int) -> int:
-  """``top_n`` as a row count for ``num_rows`` rows of dY.
+def resolve_top_n(top_n: int | float | str, num_rows: int) -> int | str:
+  """``top_n`` as ``"auto"`` or a row count for ``num_rows`` rows of dY.
 
-  An int is a row count (of the flattened batch), passed on for the op to check; a float in
-  ``(0, 1]`` is the kept fraction, rounded up, so ``0.25`` keeps a quarter of the rows. Both
-  are static: fractions resolve from array shapes, never from data.
+  ``"auto"`` and an int (a row count of the flattened batch) are passed on for the op to
+  check; a float in ``(0, 1]`` is the kept fraction, rounded up, so ``0.25`` keeps a quarter
+  of the rows. All are static: fractions resolve from array shapes, never from data.
   """
   if isinstance(top_n, float):
     if not 0.0 < top_n <= 1.0:
@@ -47,8 +48,19 @@ def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool =
   return tuple(module.promote_dtype(*arrays, dtype=module.dtype, inexact=inexact)), None
 
 
-def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, threshold: float,
-                    backend: str, active_rows: Array | None = None) -> Array:
+def module_path(module: nn.Module) -> str:
+  """A bound module's path joined with ``/``; ``"<root>"`` for a top-level module (also a
+  module applied on its own through ``.apply`` inside another one)."""
+  return "/".join(module.path) or "<root>"
+
+
+def _log_entry(row_log: RowLog | None, module: nn.Module):
+  return None if row_log is None else row_log.for_layer(module_path(module))
+
+
+def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str,
+                    threshold: float, backend: str, overflow: str = "exact",
+                    active_rows: Array | None = None, row_log: RowLog | None = None) -> Array:
   """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
 
   Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does.
@@ -60,18 +72,21 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float, thre
   (inputs, kernel, bias), dtype = promotion_for_sebp(module, inputs, kernel, bias)
   num_rows = math.prod(jnp.shape(inputs)[:-1])
   return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
-                     threshold=threshold, precision=module.precision, backend=backend,
-                     active_rows=active_rows, dtype=dtype)
+                     threshold=threshold, overflow=overflow, precision=module.precision,
+                     backend=backend, active_rows=active_rows, dtype=dtype,
+                     row_log=_log_entry(row_log, module))
 
 
-def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float, threshold: float,
-                    active_rows: Array | None = None) -> Array:
+def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float | str,
+                    threshold: float, overflow: str = "exact",
+                    active_rows: Array | None = None, row_log: RowLog | None = None) -> Array:
   """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
   (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
     return jnp.broadcast_to(jnp.asarray(table, dtype), jnp.shape(inputs) + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
-                           threshold=threshold, active_rows=active_rows, dtype=dtype)
+                           threshold=threshold, overflow=overflow, active_rows=active_rows,
+                           dtype=dtype, row_log=_log_entry(row_log, module))
 
 
 class SEBPDense(nn.Dense):
@@ -81,16 +96,21 @@ class SEBPDense(nn.Dense):
   so that a checkpoint loads into either, and a bit-identical forward. Additional attributes:
 
   Attributes:
-    top_n: rows of dY kept in the backward, counted over all leading dims of the input: an int,
-      or a float in (0, 1] for a kept fraction. Choose it to cover the non-padding tokens of the
-      largest batch you expect: rows beyond ``top_n`` lose their gradient.
+    top_n: the backward's capacity of kept rows, counted over all leading dims of the input:
+      ``"auto"`` (default: the smallest of T/16, T/8, T/4, T/2 that holds every active row,
+      else the dense backward), an int, or a float in (0, 1] for a kept fraction.
     threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
+    overflow: more active rows than an int ``top_n``: ``"exact"`` (default), ``"nan"`` or
+      ``"drop"``, see :func:`sebp_jax.sebp_linear`.
     backend: ``"auto"`` or an implementation name, see :func:`sebp_jax.sebp_linear`.
+    row_log: optional :class:`sebp_jax.RowLog` that each backward reports to.
   """
 
-  top_n: int | float = dataclasses.field(kw_only=True)
+  top_n: int | float | str = dataclasses.field(default="auto", kw_only=True)
   threshold: float = dataclasses.field(default=0.0, kw_only=True)
+  overflow: str = dataclasses.field(default="exact", kw_only=True)
   backend: str = dataclasses.field(default="auto", kw_only=True)
+  row_log: RowLog | None = dataclasses.field(default=None, kw_only=True)
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
@@ -100,7 +120,7 @@ class SEBPDense(nn.Dense):
           "SEBPDense computes its own backward and cannot use a custom dot_general / "
           "dot_general_cls (e.g. fp8 or quantized); use flax.linen.Dense for such layers")
     return sebp_dense_call(self, inputs, top_n=self.top_n, threshold=self.threshold,
-                           backend=self.backend)
+                           backend=self.backend, overflow=self.overflow, row_log=self.row_log)
 
 
 class SEBPEmbed(nn.Embed):
@@ -110,14 +130,16 @@ class SEBPEmbed(nn.Embed):
   unchanged (a dense matmul over the whole table). Additional attributes:
 
   Attributes:
-    top_n: rows of dY kept in the backward, counted over every element of ``inputs``: an int,
-      or a float in (0, 1] for a kept fraction. Cover the non-padding tokens.
-    threshold: rows of dY whose max ``|value|`` is at most this count as zero (default 0.0).
+    top_n, threshold, overflow, row_log: as for :class:`SEBPDense`, rows counted over every
+      element of ``inputs``.
   """
 
-  top_n: int | float = dataclasses.field(kw_only=True)
+  top_n: int | float | str = dataclasses.field(default="auto", kw_only=True)
   threshold: float = dataclasses.field(default=0.0, kw_only=True)
+  overflow: str = dataclasses.field(default="exact", kw_only=True)
+  row_log: RowLog | None = dataclasses.field(default=None, kw_only=True)
 
   def __call__(self, inputs: Array) -> Array:
     """Embeds the integer ``inputs: [...]`` into ``[..., features]``."""
-    return sebp_embed_call(self, inputs, top_n=self.top_n, threshold=self.threshold)
+    return sebp_embed_call(self, inputs, top_n=self.top_n, threshold=self.threshold,
+                           overflow=self.overflow, row_log=self.row_log)

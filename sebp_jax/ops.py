@@ -9,8 +9,10 @@ here, once.
 
 Why the choices:
 
-* ``top_n`` is a static Python int, so that every array in the backward has a fixed shape: jit
-  compiles once, and no host round trip is needed to learn how many rows are active.
+* ``top_n`` is static (``"auto"`` or a Python int), so that every array in the backward has a
+  fixed shape: jit compiles once, and no host round trip is needed to learn how many rows are
+  active. Where more rows are active than a capacity holds, ``overflow`` says what happens;
+  the default runs a larger capacity chosen at run time, so the gradient is always exact.
 * The residuals are the dense backward's (the inputs in the compute dtype), plus the
   ``[top_n]`` index when one is given.
 * The cast to the compute dtype happens inside the op, so that the gradients come back in the
@@ -33,7 +35,7 @@ from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from sebp_jax.backward import embedding_backward, linear_backward
+from sebp_jax.backward import OVERFLOW_MODES, embedding_backward, linear_backward
 from sebp_jax.implementations import implementation_names
 
 Array = jax.Array
@@ -64,6 +66,19 @@ def validate_top_n(top_n: Any, name: str = "top_n") -> int:
   return int(top_n)
 
 
+def validate_capacity(top_n: Any) -> int | str:
+  """``top_n`` as ``"auto"`` or a positive Python int, or ValueError saying what was expected."""
+  if isinstance(top_n, str) and top_n == "auto":
+    return top_n
+  return validate_top_n(top_n)
+
+
+def validate_overflow(overflow: Any) -> str:
+  if overflow not in OVERFLOW_MODES:
+    raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+  return overflow
+
+
 def validate_threshold(threshold: Any) -> float:
   """``threshold`` as a Python float, or ValueError saying what was expected."""
   if (isinstance(threshold, (bool, np.bool_, jax.core.Tracer))
@@ -81,8 +96,8 @@ def validate_backend(backend: Any) -> str:
   return backend
 
 
-def validate_active_rows(active_rows: Any, top_n: int, num_rows: int) -> Array | None:
-  """``active_rows`` as ``int32[top_n]`` (None stays None), or ValueError.
+def validate_active_rows(active_rows: Any, num_rows: int) -> Array | None:
+  """``active_rows`` as ``int32[K]`` (None stays None), or ValueError.
 
   The contract: row indices in ``[0, num_rows)``, strictly ascending, then the sentinel
   ``num_rows`` in every unused slot. A concrete index is checked against it; a traced one
@@ -91,8 +106,9 @@ def validate_active_rows(active_rows: Any, top_n: int, num_rows: int) -> Array |
   if active_rows is None:
     return None
   active_rows = jnp.asarray(active_rows)
-  if active_rows.shape != (top_n,) or not jnp.issubdtype(active_rows.dtype, jnp.integer):
-    raise ValueError(f"active_rows must be an integer array of shape ({top_n},) (top_n), "
+  if (active_rows.ndim != 1 or active_rows.size == 0
+      or not jnp.issubdtype(active_rows.dtype, jnp.integer)):
+    raise ValueError(f"active_rows must be a non-empty 1-D integer array (row indices), "
                      f"got {active_rows.dtype}{list(active_rows.shape)}")
   if not isinstance(active_rows, jax.core.Tracer):
     rows = np.asarray(active_rows, np.int64)
@@ -124,8 +140,11 @@ def _check_linear_shapes(x: Array, kernel: Array, bias: Array | None) -> None:
 @dataclasses.dataclass(frozen=True)
 class _LinearConfig:
   """The static arguments of the linear op; hashable for ``custom_vjp``."""
-  top_n: int
+  top_n: int | str
   threshold: float
+  overflow: str
+  #: A :class:`sebp_jax.report.LayerEntry` (or any hashable callable), or None.
+  row_log: Any
   precision: Any
   backend: str
   #: The compute dtype, as ``nn.Dense.dtype``: x, kernel and bias are cast to it inside.
@@ -158,9 +177,10 @@ def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
   num_rows = math.prod(x.shape[:-1])
   grads = linear_backward(
       x.reshape(num_rows, x.shape[-1]), kernel, dy.reshape(num_rows, dy.shape[-1]),
-      top_n=config.top_n, threshold=config.threshold, active_rows=active_rows,
-      backend=config.backend, with_bias=config.grad_dtypes[2] is not None,
-      precision=config.precision, dkernel_dtype=config.grad_dtypes[1])
+      top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
+      active_rows=active_rows, backend=config.backend,
+      with_bias=config.grad_dtypes[2] is not None, precision=config.precision,
+      dkernel_dtype=config.grad_dtypes[1], row_log=config.row_log)
   dx, dkernel, dbias = (None if g is None else g.astype(dtype)
                         for g, dtype in zip(grads, config.grad_dtypes))
   return dx.reshape(x.shape), dkernel, dbias, None
@@ -169,32 +189,45 @@ def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
 
 
-def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: int,
-                threshold: float = 0.0, precision: Any = None, backend: str = "auto",
-                active_rows: Array | None = None, dtype: Any = None) -> Array:
-  """``x @ kernel + bias`` with a backward from the top-N rows of dY.
+def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
+                top_n: int | str = "auto", threshold: float = 0.0, overflow: str = "exact",
+                precision: Any = None, backend: str = "auto", active_rows: Array | None = None,
+                dtype: Any = None, row_log: Any = None) -> Array:
+  """``x @ kernel + bias`` with a backward from the active rows of dY only.
+
+  A row of dY is *active* when its max ``|value|`` exceeds ``threshold`` or it holds NaN/Inf
+  (and, with ``active_rows``, it is listed there); the backward computes dX, dW and db from the
+  active rows, at a static capacity of kept rows.
 
   Args:
     x: ``[..., D]``; every leading dimension counts as rows, ``T = prod(x.shape[:-1])``.
     kernel: ``[D, N]``.
     bias: ``[N]`` or None.
-    top_n: how many rows of dY the backward keeps (static positive int). ``top_n >= T`` runs
-      the dense backward.
+    top_n: the capacity, static: ``"auto"`` (default) compiles T/16, T/8, T/4, T/2 and the
+      dense backward, and runs the smallest that holds every active row; a positive int is
+      one capacity (``top_n >= T``: the dense backward of the active rows).
     threshold: a row of dY is active when its max ``|value|`` exceeds this (0.0: any
-      non-zero). When more rows are active than ``top_n``, those of largest L2 norm are kept;
-      rows with NaN or Inf are always active and kept first.
+      non-zero); the same rows are active whatever the capacity.
+    overflow: when more rows are active than an int ``top_n``: ``"exact"`` (default) runs the
+      dense backward of the active rows instead, chosen at run time (a ``lax.switch``, which
+      costs a device-to-host sync per layer on GPUs); ``"nan"`` makes dX, dW and db NaN (no
+      branch: the fast choice when ``top_n`` is known to suffice); ``"drop"`` keeps the
+      ``top_n`` rows of largest L2 norm, NaN/Inf rows first (the SEBP paper's rule).
     precision: ``lax.Precision`` of the forward and backward dots, as in ``nn.Dense``.
     backend: ``"auto"``, or an implementation by name: ``"dense"``, ``"xla"`` (gather, dots,
       gather in jnp), ``"pallas"`` (kernels; Triton on GPU, interpreted elsewhere). ``"auto"``
       runs ``"xla"``, except that on GPU it runs the dense backward where a cost model of the
       layer's static shapes predicts SEBP slower (:mod:`sebp_jax.cost_model`).
-    active_rows: optional ``int32[top_n]`` index of the rows to keep, sorted and padded with
-      the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`). Given, the
-      backward skips scoring dY and uses it as is, so that several layers can share one
-      selection; it still reads dY once, so that a NaN/Inf in a skipped row makes dW and db
-      NaN rather than vanish.
+    active_rows: optional ``int32[K]`` index of the rows that may be active, sorted and padded
+      with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`); rows not
+      listed count as inactive, so that several layers can share one selection from a token
+      mask. ``top_n`` and ``overflow`` apply to the listed active rows. dY is still read once,
+      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish.
     dtype: the compute dtype, as ``nn.Dense``'s ``dtype``: x, kernel and bias are cast to it
       (None: to their promoted type, as ``flax.linen.dtypes.promote_dtype`` does).
+    row_log: optional hashable callable, e.g. ``RowLog().for_layer(name)``
+      (:mod:`sebp_jax.report`): each backward sends it, through ``jax.debug.callback``, its
+      active and kept rows, capacity and dropped share of dY's norm.
 
   Returns:
     ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype.
@@ -204,8 +237,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   Under ``jax.vmap`` the top-N applies to each mapped instance separately. The output is named
   ``SEBP_CHECKPOINT_NAME`` for remat policies.
   """
-  top_n = validate_top_n(top_n)
+  top_n = validate_capacity(top_n)
   threshold = validate_threshold(threshold)
+  overflow = validate_overflow(overflow)
   backend = validate_backend(backend)
   x, kernel, bias = (None if a is None else jnp.asarray(a) for a in (x, kernel, bias))
   _check_linear_shapes(x, kernel, bias)
@@ -213,11 +247,12 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
   # Integer arguments have no gradient of their own dtype to come back in: cast them here.
   x, kernel, bias = (a if a is None or jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(dtype)
                      for a in (x, kernel, bias))
-  active_rows = validate_active_rows(active_rows, top_n, math.prod(x.shape[:-1]))
+  active_rows = validate_active_rows(active_rows, math.prod(x.shape[:-1]))
   if backend == "pallas" and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(f"backend 'pallas' has no kernels for complex dtypes, got {dtype}: "
                      "use backend 'xla' or 'auto'")
-  config = _LinearConfig(top_n=top_n, threshold=threshold, precision=precision,
+  config = _LinearConfig(top_n=top_n, threshold=threshold, overflow=overflow,
+                         row_log=row_log, precision=precision,
                          backend=backend, dtype=dtype,
                          grad_dtypes=(x.dtype, kernel.dtype, None if bias is None else bias.dtype))
   return checkpoint_name(_sebp_linear(x, kernel, bias, active_rows, config),
@@ -231,8 +266,10 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *, top_n: in
 
 @dataclasses.dataclass(frozen=True)
 class _LookupConfig:
-  top_n: int
+  top_n: int | str
   threshold: float
+  overflow: str
+  row_log: Any
   #: The compute dtype, as ``nn.Embed.dtype``: the table is cast to it inside the op.
   dtype: Any
 
@@ -257,15 +294,18 @@ def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
   table, ids, active_rows = residuals
   d_table = embedding_backward(
       ids.reshape(-1), dy.reshape(ids.size, table.shape[1]), num_embeddings=table.shape[0],
-      top_n=config.top_n, threshold=config.threshold, active_rows=active_rows)
+      top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
+      active_rows=active_rows, row_log=config.row_log)
   return d_table.astype(table.dtype), None, None
 
 
 _sebp_lookup.defvjp(_sebp_lookup_fwd, _sebp_lookup_bwd)
 
 
-def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float = 0.0,
-                      active_rows: Array | None = None, dtype: Any = None) -> Array:
+def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
+                      threshold: float = 0.0, overflow: str = "exact",
+                      active_rows: Array | None = None, dtype: Any = None,
+                      row_log: Any = None) -> Array:
   """``table[ids]`` with a backward that scatters only ``top_n`` rows of dY into ``d_table``.
 
   An embedding lookup is a linear layer whose input is one-hot: its dense backward scatters
@@ -276,10 +316,10 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
     table: ``[V, F]`` embedding table.
     ids: integer ``[...]`` token ids; every element is a row, ``T = ids.size``. Ids out of
       ``[-V, V)`` read NaN in the forward and get no gradient, as with ``jnp.take``.
-    top_n: rows of dY (flattened to ``[T, F]``) the backward keeps (static positive int);
-      ``top_n >= T`` without ``active_rows`` runs the plain lookup and autodiff's backward.
-    threshold: a row of dY is active when its max ``|value|`` exceeds this.
-    active_rows: optional ``int32[top_n]`` shared index, as for :func:`sebp_linear`.
+    top_n, threshold, overflow, active_rows, row_log: as for :func:`sebp_linear` (rows of dY
+      flattened to ``[T, F]``), except that ``"exact"`` and ``"auto"`` scatter every active
+      row at once, with no run-time branch. Where that keeps every non-zero row (no index,
+      no threshold, no log, no cast), the plain lookup runs, with autodiff's backward.
     dtype: the compute dtype, as ``nn.Embed``'s ``dtype``: the table is cast to it for the
       lookup (None: no cast); its gradient comes back in the table's own dtype, rounded once
       from the float32 sums.
@@ -287,14 +327,20 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int, threshold: float 
   Returns:
     ``[..., F]``, bit-identical to ``jnp.take(table.astype(dtype), ids, axis=0)``.
   """
-  top_n = validate_top_n(top_n)
+  top_n = validate_capacity(top_n)
   threshold = validate_threshold(threshold)
+  overflow = validate_overflow(overflow)
   table, ids = jnp.asarray(table), jnp.asarray(ids)
   if table.ndim != 2:
     raise ValueError(f"table must be 2-D [num_embeddings, features], got shape {table.shape}")
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
-  active_rows = validate_active_rows(active_rows, top_n, ids.size)
-  if active_rows is None and top_n >= ids.size:
+  active_rows = validate_active_rows(active_rows, ids.size)
+  keeps_every_row = top_n == "auto" or overflow == "exact" or top_n >= ids.size
+  # The plain lookup where it keeps the same rows; not across a cast, where autodiff would
+  # round the table's gradient in the compute dtype first.
+  if (active_rows is None and threshold == 0 and row_log is None and keeps_every_row
+      and (dtype is None or jnp.dtype(dtype) == table.dtype)):
     return _lookup(table, ids, dtype)
-  return _sebp_lookup(table, ids, active_rows, _LookupConfig(top_n, threshold, dtype))
+  return _sebp_lookup(table, ids, active_rows,
+                      _LookupConfig(top_n, threshold, overflow, row_log, dtype))

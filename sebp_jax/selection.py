@@ -75,6 +75,14 @@ def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
   return lax.cond(jnp.sum(active) <= top_n, compact_all_active, keep_largest)
 
 
+def capacity_ladder(num_rows: int) -> tuple[int, ...]:
+  """The capacities ``top_n="auto"`` compiles for ``num_rows`` rows: T/16, T/8, T/4 and T/2,
+  each rounded up to a multiple of 8 (the matmul tiles' granularity), those below T only. At
+  run time the backward takes the smallest that holds every active row, else every row."""
+  rungs = {8 * -(-num_rows // (8 * part)) for part in (16, 8, 4, 2)}
+  return tuple(sorted(rung for rung in rungs if rung < num_rows))
+
+
 def active_rows_from_mask(mask: Array, top_n: int) -> Array:
   """The SEBP index for a known token mask, computed once and shared by every layer.
 

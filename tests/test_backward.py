@@ -1,23 +1,38 @@
-"""The backward entry point: which rows it keeps, the NaN check of a given index, and the
-gradients it returns through each implementation."""
+"""The backward entry point: which rows it keeps at every capacity and overflow mode, the NaN
+check of a given index, the row log, and the gradients it returns through each
+implementation, against the float64 numpy reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sebp_jax import select_active_rows
-from sebp_jax.backward import embedding_backward, kept_rows, linear_backward, nan_if_not_finite
+from sebp_jax import RowLog
+from sebp_jax.backward import (capacities, embedding_backward, linear_backward,
+                               nan_if_not_finite)
+from sebp_jax.selection import capacity_ladder
 from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
                              reference_table_grad, relative_error)
 
+NUM_ROWS = 64
 
-def _problem(seed, num_rows=40, in_features=16, out_features=24, num_nonzero=9):
+
+def _problem(seed, num_nonzero=9, num_rows=NUM_ROWS, in_features=16, out_features=24):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((num_rows, in_features)), jnp.float32)
   kernel = jnp.asarray(rng.standard_normal((in_features, out_features)), jnp.float32)
   dy = jnp.asarray(random_sparse_rows(rng, num_rows, out_features, num_nonzero))
   return x, kernel, dy
+
+
+def _backward(x, kernel, dy, **options):
+  return jax.jit(lambda x, kernel, dy: linear_backward(x, kernel, dy, with_bias=True,
+                                                       **options))(x, kernel, dy)
+
+
+def _assert_grads_of_rows(grads, x, kernel, dy, rows, tolerance=1e-5):
+  for got, want in zip(grads, reference_backward(x, kernel, dy, rows)):
+    assert relative_error(got, want) <= tolerance
 
 
 def test_nan_if_not_finite():
@@ -28,76 +43,146 @@ def test_nan_if_not_finite():
     assert nan_if_not_finite(jnp.full((2, 2), 1e300, jnp.float64)) == 0
 
 
-def test_kept_rows_selected_from_dy_need_no_check():
-  _, _, dy = _problem(0)
-  rows, poison = kept_rows(dy, top_n=12, threshold=0.0, active_rows=None)
-  assert poison is None
-  np.testing.assert_array_equal(rows, select_active_rows(dy, 12))
+def test_capacities():
+  assert capacity_ladder(64) == (8, 16, 32)
+  assert capacity_ladder(1000) == (64, 128, 256, 504)
+  assert capacity_ladder(4) == ()
+  assert capacities("auto", "exact", 64) == (8, 16, 32, 64)
+  assert capacities(10, "exact", 64) == (10, 64)
+  assert capacities(10, "nan", 64) == capacities(10, "drop", 64) == (10,)
+  assert capacities(100, "drop", 64) == (64,)
 
 
-def test_a_given_index_is_used_as_is_and_checked():
-  _, _, dy = _problem(1)
-  given = jnp.array([0, 5, 40], jnp.int32)
-  rows, poison = kept_rows(dy, top_n=3, threshold=0.0, active_rows=given)
-  np.testing.assert_array_equal(rows, given)
-  assert poison == 0
-  _, poison = kept_rows(dy.at[7, 2].set(jnp.nan), top_n=3, threshold=0.0, active_rows=given)
-  assert np.isnan(poison)
+@pytest.mark.parametrize("backend", ["xla", "pallas", "dense", "auto"])
+@pytest.mark.parametrize("num_nonzero", [3, 12, 20, 40, 64])
+@pytest.mark.parametrize("top_n", ["auto", 10])
+def test_exact_keeps_every_active_row_at_any_count(backend, num_nonzero, top_n):
+  x, kernel, dy = _problem(num_nonzero, num_nonzero=num_nonzero)
+  grads = _backward(x, kernel, dy, top_n=top_n, backend=backend)
+  _assert_grads_of_rows(grads, x, kernel, dy, np.arange(NUM_ROWS))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_selected_rows_match_the_float64_reference(backend):
+def test_drop_keeps_the_largest_rows(backend):
   x, kernel, dy = _problem(2, num_nonzero=15)
-  dx, dkernel, dbias = jax.jit(lambda *a: linear_backward(
-      *a, top_n=10, backend=backend, with_bias=True))(x, kernel, dy)
-  rows = reference_active_rows(dy, 10)
-  for got, want in zip((dx, dkernel, dbias), reference_backward(x, kernel, dy, rows)):
-    assert relative_error(got, want) <= 1e-5
+  grads = _backward(x, kernel, dy, top_n=10, overflow="drop", backend=backend)
+  _assert_grads_of_rows(grads, x, kernel, dy, reference_active_rows(dy, 10))
 
 
-def test_dense_keeps_every_row():
-  x, kernel, dy = _problem(3, num_nonzero=30)
-  grads = linear_backward(x, kernel, dy, top_n=10, backend="dense", with_bias=True)
-  for got, want in zip(grads, reference_backward(x, kernel, dy, np.arange(40))):
-    assert relative_error(got, want) <= 1e-5
+@pytest.mark.parametrize("index_given", [False, True])
+def test_nan_overflow_makes_every_gradient_nan(index_given):
+  x, kernel, dy = _problem(3, num_nonzero=15)
+  index = jnp.arange(NUM_ROWS, dtype=jnp.int32) if index_given else None
+  grads = _backward(x, kernel, dy, top_n=10, overflow="nan", active_rows=index)
+  assert all(np.all(np.isnan(g)) for g in grads)
+  grads = _backward(x, kernel, dy, top_n=15, overflow="nan", active_rows=index)
+  _assert_grads_of_rows(grads, x, kernel, dy, np.arange(NUM_ROWS))
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_nan_outside_a_given_index_poisons_dkernel_and_dbias(backend):
-  x, kernel, dy = _problem(4)
-  index = select_active_rows(dy, 12)
-  skipped = int(np.setdiff1d(np.arange(40), np.asarray(index))[0])
-  run = jax.jit(lambda dy: linear_backward(x, kernel, dy, top_n=12, active_rows=index,
-                                           backend=backend, with_bias=True))
-  dx, dkernel, dbias = run(dy)
-  rows = np.asarray(index)[np.asarray(index) < 40]
-  for got, want in zip((dx, dkernel, dbias), reference_backward(x, kernel, dy, rows)):
-    assert relative_error(got, want) <= 1e-5
-  _, dkernel, dbias = run(dy.at[skipped, 0].set(jnp.inf))
+def _rows_with_small_ones(seed):
+  """dY with 6 rows of signal and 4 rows whose values lie below 0.1."""
+  x, kernel, dy = _problem(seed, num_nonzero=0)
+  rng = np.random.default_rng(seed)
+  dy = np.array(dy)
+  dy[[1, 9, 20, 33, 40, 63]] = rng.standard_normal((6, dy.shape[1])) + 3
+  dy[[4, 21, 50, 51]] = rng.uniform(-0.05, 0.05, (4, dy.shape[1]))
+  return x, kernel, jnp.asarray(dy)
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_n=6), dict(top_n=7), dict(top_n=NUM_ROWS), dict(top_n="auto"),
+    dict(top_n=6, overflow="nan"), dict(top_n=6, overflow="drop"), dict(top_n=1000),
+    dict(top_n=6, backend="dense"), dict(top_n="auto", backend="pallas"),
+    dict(top_n=6, active_rows=jnp.array([1, 4, 9, 20, 21, 33, 40, 50, 51, 63], jnp.int32)),
+    dict(top_n="auto", active_rows=jnp.arange(NUM_ROWS, dtype=jnp.int32)),
+    dict(top_n=12, active_rows=jnp.arange(NUM_ROWS, dtype=jnp.int32), overflow="drop"),
+])
+def test_threshold_means_the_same_at_every_capacity_and_with_an_index(options):
+  x, kernel, dy = _rows_with_small_ones(4)
+  grads = _backward(x, kernel, dy, threshold=0.1, **options)
+  _assert_grads_of_rows(grads, x, kernel, dy, np.array([1, 9, 20, 33, 40, 63]))
+
+
+def test_an_index_limits_the_active_rows():
+  x, kernel, dy = _problem(5, num_nonzero=30)
+  index = jnp.array([2, 7, 30, 41, NUM_ROWS, NUM_ROWS], jnp.int32)
+  for options in (dict(top_n="auto"), dict(top_n=2), dict(top_n=2, overflow="drop")):
+    grads = _backward(x, kernel, dy, active_rows=index, **options)
+    rows = [2, 7, 30, 41]
+    if options.get("overflow") == "drop":
+      norms = np.linalg.norm(np.asarray(dy)[rows], axis=1)
+      rows = sorted(np.asarray(rows)[np.argsort(-norms, kind="stable")[:2]])
+    _assert_grads_of_rows(grads, x, kernel, dy, rows)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "dense"])
+@pytest.mark.parametrize("top_n", ["auto", 12])
+def test_nan_outside_a_given_index_poisons_dkernel_and_dbias(backend, top_n):
+  x, kernel, dy = _problem(6)
+  index = jnp.asarray(np.flatnonzero(np.any(np.asarray(dy) != 0, axis=1)), jnp.int32)
+  skipped = int(np.setdiff1d(np.arange(NUM_ROWS), np.asarray(index))[0])
+  grads = _backward(x, kernel, dy, top_n=top_n, active_rows=index, backend=backend)
+  _assert_grads_of_rows(grads, x, kernel, dy, np.asarray(index))
+  _, dkernel, dbias = _backward(x, kernel, dy.at[skipped, 0].set(jnp.inf), top_n=top_n,
+                                active_rows=index, backend=backend)
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
+@pytest.mark.parametrize("options, kept, capacity", [
+    (dict(top_n="auto"), 20, 32), (dict(top_n=10), 20, NUM_ROWS),
+    (dict(top_n=10, overflow="drop"), 10, 10), (dict(top_n=10, overflow="nan"), 10, 10)])
+def test_the_row_log_reports_what_the_backward_did(options, kept, capacity):
+  x, kernel, dy = _problem(7, num_nonzero=20)
+  log = RowLog()
+  _backward(x, kernel, dy, row_log=log.for_layer("dense"), **options)
+  (record,) = log.records
+  norms = np.sum(np.asarray(dy, np.float64) ** 2, axis=1)
+  active_rows = reference_active_rows(dy, NUM_ROWS)
+  # "nan" keeps the first rows (its gradients are NaN anyway), "drop" the largest.
+  kept_rows = active_rows[:kept] if options.get("overflow") == "nan" else reference_active_rows(
+      dy, kept)
+  dropped = 1 - norms[kept_rows].sum() / norms.sum()
+  assert record["layer"] == "dense" and record["step"] == 0 and record["rows"] == NUM_ROWS
+  assert (record["active"], record["kept"], record["capacity"]) == (20, kept, capacity)
+  np.testing.assert_allclose(record["dropped_share"], dropped, atol=1e-6)
+
+
 def test_no_rows_at_all():
-  dx, dkernel, dbias = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),
-                                       top_n=4, with_bias=True)
-  assert dx.shape == (0, 3) and not np.any(dkernel) and not np.any(dbias)
+  for top_n in ("auto", 4):
+    dx, dkernel, dbias = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),
+                                         top_n=top_n, with_bias=True)
+    assert dx.shape == (0, 3) and not np.any(dkernel) and not np.any(dbias)
 
 
-def test_embedding_backward_scatters_the_kept_rows():
-  rng = np.random.default_rng(5)
+@pytest.mark.parametrize("options", [dict(top_n="auto"), dict(top_n=8),
+                                     dict(top_n=8, overflow="drop"), dict(top_n=12,
+                                                                          threshold=0.5)])
+def test_embedding_backward_scatters_the_kept_rows(options):
+  rng = np.random.default_rng(8)
   ids = jnp.asarray(rng.integers(0, 7, 30), jnp.int8)
   dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 12), jnp.bfloat16)
-  d_table = embedding_backward(ids, dy, num_embeddings=7, top_n=8)
+  d_table = embedding_backward(ids, dy, num_embeddings=7, **options)
   assert d_table.dtype == jnp.float32 and d_table.shape == (7, 4)
-  expected = reference_table_grad(7, np.asarray(ids), dy, reference_active_rows(dy, 8))
-  np.testing.assert_allclose(d_table, expected, rtol=1e-6, atol=1e-6)
-  # A given index skips scoring; a NaN in a row it skips fills the whole table gradient.
+  top_n = 8 if options.get("overflow") == "drop" else 30
+  rows = reference_active_rows(dy, top_n, options.get("threshold", 0.0))
+  np.testing.assert_allclose(d_table, reference_table_grad(7, np.asarray(ids), dy, rows),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_embedding_backward_with_an_index():
+  rng = np.random.default_rng(9)
+  ids = jnp.asarray(rng.integers(0, 7, 30), jnp.int32)
+  dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 30))
   index = jnp.array([0, 1, 30], jnp.int32)
-  assert not np.any(np.isnan(embedding_backward(ids, dy, num_embeddings=7, top_n=3,
-                                                active_rows=index)))
+  d_table = embedding_backward(ids, dy, num_embeddings=7, top_n=3, active_rows=index)
+  np.testing.assert_allclose(d_table, reference_table_grad(7, np.asarray(ids), dy, [0, 1]),
+                             rtol=1e-6, atol=1e-6)
   poisoned = embedding_backward(ids, dy.at[20, 0].set(jnp.nan), num_embeddings=7, top_n=3,
                                 active_rows=index)
   assert np.all(np.isnan(poisoned))
+  overflowed = embedding_backward(ids, dy, num_embeddings=7, top_n=1, overflow="nan",
+                                  active_rows=index)
+  assert np.all(np.isnan(overflowed))
 
 
 def test_empty_batches_with_an_index():

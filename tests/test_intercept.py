@@ -14,7 +14,7 @@ import pytest
 from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
                           FlaxLlamaForCausalLM, LlamaConfig)
 
-from sebp_jax import use_sebp
+from sebp_jax import RowLog, use_sebp
 from tests.model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
 
 
@@ -147,7 +147,7 @@ def test_decorator_form_and_grad(tiny_bert):
                      jax.grad(dense_loss)(tiny_bert.params))
   # Too small a top_n must change the gradient: the interceptor really acts. ("xla": "auto"
   # runs layers this small dense on a GPU, keeping every row.)
-  starved = use_sebp(top_n=2, backend="xla")(dense_loss)
+  starved = use_sebp(top_n=2, overflow="drop", backend="xla")(dense_loss)
   got = jax.grad(starved)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   want = jax.grad(dense_loss)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
   assert not np.allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-3)
@@ -269,7 +269,8 @@ def test_scan_and_remat_inside_use_sebp(shared_index):
   assert report.embeddings == ["embed"] and report.num_swapped == 1
   assert len(report.shared_index) == (2 if shared_index else 0)
   # Too few rows must change the scanned layers' gradient: the interceptor acts under scan.
-  with use_sebp(top_n=2, active_mask=mask if shared_index else None, backend="xla"):
+  with use_sebp(top_n=2, overflow="drop", active_mask=mask if shared_index else None,
+                backend="xla"):
     starved = jax.grad(lambda p: ScannedModel().apply(p, ids, mask))(params)
   assert not np.allclose(starved["params"]["layers"]["up_proj"]["kernel"],
                          got["params"]["layers"]["up_proj"]["kernel"])
@@ -300,8 +301,8 @@ def test_a_plain_model_works_with_the_defaults():
 
   assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
   assert reports[0].swapped == ["Dense_0", "Dense_1"]
-  # Too few rows change the gradient: the defaults really swapped them.
-  with use_sebp(top_n=2, backend="xla"):
+  # Too few rows, dropped, change the gradient: the defaults really swapped them.
+  with use_sebp(top_n=2, overflow="drop", backend="xla"):
     starved = jax.grad(lambda p: PlainMLP().apply(p, x, mask))(params)
   assert not np.allclose(starved["params"]["Dense_0"]["kernel"],
                          jax.grad(loss)(params, False)["params"]["Dense_0"]["kernel"])
@@ -362,3 +363,137 @@ def test_contexts_do_not_nest_and_an_unused_mask_is_loud():
   with pytest.raises(RuntimeError, match=r"active_mask of shape \(3, 2\) matched no layer"):
     with use_sebp(top_n=4, active_mask=jnp.ones((3, 2))):
       PlainMLP().apply(params, x, jnp.ones((2, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact by construction: capacities, overflow, the row log.
+# ---------------------------------------------------------------------------------------------
+
+
+def _mlp_problem(seed, lengths, length=16):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((len(lengths), length, 5)), jnp.float32)
+  mask = jnp.asarray(np.arange(length)[None] < np.array(lengths)[:, None], jnp.float32)
+  params = PlainMLP().init(jax.random.key(seed), x, mask)
+  return params, x, mask
+
+
+def _mlp_grads(params, x, mask, **options):
+  def loss(params, x, mask):
+    with use_sebp(backend="xla", **options):
+      return PlainMLP().apply(params, x, mask)
+  return jax.jit(jax.grad(loss))(params, x, mask)
+
+
+def _dense_mlp_grads(params, x, mask):
+  return jax.grad(lambda p: PlainMLP().apply(p, x, mask))(params)
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 1, 0], [5, 9, 3, 2], [16, 16, 12, 1],
+                                     [16, 16, 16, 16]])
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_the_default_auto_is_exact_for_any_batch(lengths, shared_index):
+  params, x, mask = _mlp_problem(11, lengths)
+  options = dict(active_mask=mask) if shared_index else {}
+  assert_every_gradient_close(_mlp_grads(params, x, mask, **options),
+                              _dense_mlp_grads(params, x, mask))
+
+
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_an_int_top_n_is_exact_by_default_when_overflowed(shared_index):
+  params, x, mask = _mlp_problem(12, [16, 9, 12, 7])
+  options = dict(active_mask=mask) if shared_index else {}
+  assert_every_gradient_close(_mlp_grads(params, x, mask, top_n=8, **options),
+                              _dense_mlp_grads(params, x, mask))
+
+
+def _count_conds(fn, *args) -> int:
+  return str(jax.make_jaxpr(fn)(*args)).count("cond[")
+
+
+def test_a_concrete_mask_picks_the_capacity_on_the_host_with_no_branch():
+  params, x, mask = _mlp_problem(13, [3, 5, 2, 4])
+  host_mask = np.asarray(mask)
+
+  def loss(params, x, mask, host):
+    with use_sebp(backend="xla", active_mask=host_mask if host else mask):
+      return PlainMLP().apply(params, x, mask)
+
+  assert _count_conds(jax.grad(lambda p: loss(p, x, mask, True)), params) == 0
+  assert _count_conds(jax.jit(jax.grad(lambda p, m: loss(p, x, m, False))), params, mask) >= 2
+  assert_every_gradient_close(jax.jit(jax.grad(lambda p: loss(p, x, mask, True)))(params),
+                              _dense_mlp_grads(params, x, mask))
+
+
+def test_overflow_nan_is_visible_and_branch_free():
+  params, x, mask = _mlp_problem(14, [16, 9, 12, 7])
+
+  def loss(params, x, mask, top_n):
+    with use_sebp(top_n=top_n, overflow="nan", active_mask=mask, backend="xla"):
+      return PlainMLP().apply(params, x, mask)
+
+  grad = jax.jit(jax.grad(loss), static_argnums=3)
+  assert _count_conds(jax.grad(lambda p, x, m: loss(p, x, m, 8)), params, x, mask) == 0
+  assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(grad(params, x, mask, 8)))
+  assert_every_gradient_close(grad(params, x, mask, 44), _dense_mlp_grads(params, x, mask))
+  with pytest.raises(ValueError, match="44 real tokens, more than top_n=8"):
+    loss(params, x, np.asarray(mask), 8)
+
+
+def test_overflow_drop_keeps_the_first_rows_of_the_mask_index_by_norm():
+  params, x, mask = _mlp_problem(15, [16, 9, 12, 7])
+  dropped = _mlp_grads(params, x, mask, top_n=8, overflow="drop", active_mask=mask)
+  dense = _dense_mlp_grads(params, x, mask)
+  assert not np.allclose(dropped["params"]["Dense_0"]["kernel"],
+                         dense["params"]["Dense_0"]["kernel"])
+  with pytest.raises(ValueError, match="overflow must be one of"):
+    use_sebp(overflow="truncate")
+
+
+def test_the_row_log_reports_every_layer_and_step():
+  params, x, mask = _mlp_problem(16, [3, 5, 2, 4])
+  log = RowLog()
+
+  def loss(params, x, mask):
+    with use_sebp(active_mask=mask, backend="xla", row_log=log):
+      return PlainMLP().apply(params, x, mask)
+
+  grad = jax.jit(jax.grad(loss))
+  for _ in range(2):
+    jax.block_until_ready(grad(params, x, mask))
+  records = log.records
+  assert sorted((r["layer"], r["step"]) for r in records) == [
+      ("Dense_0", 0), ("Dense_0", 1), ("Dense_1", 0), ("Dense_1", 1)]
+  for record in records:
+    assert record["rows"] == 64 and record["active"] == record["kept"] == 14
+    assert record["capacity"] == 16 and record["dropped_share"] == 0
+  assert "Dense_0" in log.summary()
+  with pytest.raises(ValueError, match="row_log must be a sebp_jax.RowLog"):
+    use_sebp(row_log=[])
+
+
+def test_packing_needs_a_capacity_known_on_the_host(tiny_bert):
+  ids, mask = _padded_batch(np.random.default_rng(17), 3, 16, 120)
+  labels = np.array([1, 0, 1])
+  dense_loss = classification_loss(tiny_bert, ids, mask, labels)
+
+  def packed_loss(params, mask):
+    with use_sebp(active_mask=mask, packed=True, backend="xla") as report:
+      logits = tiny_bert(ids, attention_mask=mask, params=params).logits
+    assert report.capacity == min(mask.size, 128)
+    return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(3), labels])
+
+  assert_every_gradient_close(jax.grad(packed_loss)(tiny_bert.params, mask),
+                              jax.grad(dense_loss)(tiny_bert.params))
+  with pytest.raises(ValueError, match="token_capacity"):
+    jax.jit(jax.grad(packed_loss))(tiny_bert.params, mask)
+  with pytest.raises(ValueError, match="cannot drop tokens"):
+    use_sebp(active_mask=mask, packed=True, overflow="drop")
+
+
+def test_an_empty_batch_works():
+  params, x, mask = _mlp_problem(18, [3, 5])
+  empty_x, empty_mask = x[:0], mask[:0]
+  for options in (dict(active_mask=empty_mask), {}):
+    grads = _mlp_grads(params, empty_x, empty_mask, require_swaps=True, **options)
+    assert not any(np.any(g) for g in jax.tree.leaves(grads))

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from sebp_jax import SEBPDense, resolve_top_n
+from sebp_jax import SEBPDense, SEBPEmbed, resolve_top_n
 from tests.reference import random_sparse_rows, reference_backward, relative_error
 
 
@@ -110,11 +110,13 @@ def test_a_custom_promote_dtype_is_applied_as_in_dense():
 class Classifier(nn.Module):
   """Token features -> two linear layers -> masked mean-pool -> logits; padding is masked."""
   dense_cls: type = nn.Dense
-  top_n: int | float = 1.0
+  top_n: int | float | str = 1.0
+  overflow: str = "exact"
 
   def _dense(self, features, name):
     if self.dense_cls is SEBPDense:  # "xla": "auto" runs such small layers dense on a GPU.
-      return SEBPDense(features, top_n=self.top_n, backend="xla", name=name)
+      return SEBPDense(features, top_n=self.top_n, overflow=self.overflow, backend="xla",
+                       name=name)
     return nn.Dense(features, name=name)
 
   @nn.compact
@@ -146,8 +148,14 @@ def test_gradients_equal_dense_in_a_masked_model():
   got = jax.jit(jax.grad(loss), static_argnums=1)(
       params, Classifier(dense_cls=SEBPDense, top_n=num_real))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
-  # Sanity: the padding rows really are zero in dY, so a smaller top_n must change something.
-  fewer = jax.grad(loss)(params, Classifier(dense_cls=SEBPDense, top_n=num_real - 1))
+  # Exact by default whatever top_n; and the padding rows really are zero in dY, so dropping
+  # one more row must change something.
+  for top_n in ("auto", num_real - 1):
+    exact = jax.grad(loss)(params, Classifier(dense_cls=SEBPDense, top_n=top_n))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), exact,
+                 want)
+  fewer = jax.grad(loss)(params, Classifier(dense_cls=SEBPDense, top_n=num_real - 1,
+                                            overflow="drop"))
   assert not np.allclose(fewer["params"]["up"]["kernel"], want["params"]["up"]["kernel"])
 
 
@@ -205,9 +213,9 @@ def test_kept_fraction():
   assert layer.apply(params, x).shape == (2, 4, 2)
 
 
-def test_top_n_is_required_and_custom_dot_general_is_rejected():
-  with pytest.raises(TypeError, match="top_n"):
-    SEBPDense(4)
+def test_top_n_defaults_to_auto_and_custom_dot_general_is_rejected():
+  assert SEBPDense(4).top_n == SEBPEmbed(3, 4).top_n == "auto"
+  assert SEBPDense(4).overflow == "exact"
   layer = SEBPDense(4, top_n=2, dot_general=jax.lax.dot_general)
   with pytest.raises(ValueError, match="dot_general"):
     layer.init(jax.random.key(0), jnp.ones((2, 3)))

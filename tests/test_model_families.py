@@ -18,7 +18,7 @@ from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLla
                           FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
                           LlamaConfig, MistralConfig, RobertaConfig)
 
-from sebp_jax import use_sebp
+from sebp_jax import token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
 
 VOCAB, BATCH, LENGTH = 64, 3, 12
@@ -268,19 +268,22 @@ def test_a_head_alone_is_not_packed():
 
 
 def test_a_numpy_mask_over_capacity_raises_inside_jit(tiny_bert):
-  """A numpy mask is known when the function is traced, jit or not: too many real tokens
-  raise at once, with the counts."""
+  """A numpy mask is known when the function is traced, jit or not: with overflow="nan", too
+  many real tokens raise at once, with the counts; by default the capacity grows to hold
+  them."""
   rng = np.random.default_rng(21)
   ids, mask, labels, _ = _classifier_batch(rng, tiny_bert, _mask(rng, "right"))
   capacity = int(mask.sum()) - 1
 
-  def loss(params):
-    with use_sebp(top_n=capacity, active_mask=mask, packed=True):
+  def loss(params, overflow):
+    with use_sebp(top_n=capacity, overflow=overflow, active_mask=mask, packed=True) as report:
       logits = tiny_bert(ids, attention_mask=mask, params=params).logits
+    assert report.capacity == (capacity if overflow == "nan" else token_capacity(mask))
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   with pytest.raises(ValueError, match=f"capacity {capacity} .* {capacity + 1} real tokens"):
-    jax.jit(jax.grad(loss))(tiny_bert.params)
+    jax.jit(jax.grad(loss), static_argnums=1)(tiny_bert.params, "nan")
+  jax.jit(jax.grad(loss), static_argnums=1)(tiny_bert.params, "exact")
 
 
 def test_mistral_without_a_window_follows_the_model(tiny_mistral):
@@ -438,7 +441,7 @@ def test_refusals_and_report(tiny_bert):
     with use_sebp(top_n=n, active_mask=mask, packed=True):
       forward(output_attentions=True)
   with pytest.raises(ValueError, match=rf"packing capacity {n - 1} .* {n} real tokens"):
-    with use_sebp(top_n=n - 1, active_mask=mask, packed=True):
+    with use_sebp(top_n=n - 1, overflow="nan", active_mask=mask, packed=True):
       pass
 
   class Plain(nn.Module):

@@ -75,10 +75,14 @@ def test_float64_exact():
       np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_top_n_below_nonzero_rows_matches_reference_and_drops_the_rest():
+def test_top_n_below_nonzero_rows_drops_the_rest_only_when_asked():
   rng = np.random.default_rng(4)
   x, kernel, bias, g = _problem(rng, (6, 8), 20, 10, num_nonzero=30)
-  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=11)
+  # The default is exact: more active rows than top_n run the dense backward.
+  for got, want in zip(_grads(sebp_linear, x, kernel, bias, g, top_n=11),
+                       _grads(dense_linear, x, kernel, bias, g)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=11, overflow="drop")
   x2d, g2d = x.reshape(48, 20), g.reshape(48, 10)
   kept = reference_active_rows(g2d, 11)
   assert len(kept) == 11
@@ -150,7 +154,8 @@ def test_vmap_applies_top_n_per_instance():
   xs = rng.standard_normal((3, 10, 4)).astype(np.float32)
   kernel = rng.standard_normal((4, 5)).astype(np.float32)
   gs = rng.standard_normal((3, 10, 5)).astype(np.float32)
-  grad_one = jax.grad(lambda x, k, g: jnp.sum(sebp_linear(x, k, top_n=3) * g), argnums=(0, 1))
+  grad_one = jax.grad(lambda x, k, g: jnp.sum(sebp_linear(x, k, top_n=3, overflow="drop") * g),
+                      argnums=(0, 1))
   batched = jax.jit(jax.vmap(grad_one, in_axes=(0, None, 0)))(xs, kernel, gs)
   for i in range(3):
     rows = reference_active_rows(gs[i], 3)
@@ -239,14 +244,20 @@ def test_unknown_backend():
        in_features=st.integers(1, 9), out_features=st.integers(1, 9), data=st.data())
 def test_property_gradients_match_reference(lead, in_features, out_features, data):
   num_rows = int(np.prod(lead))
-  top_n = data.draw(st.integers(1, num_rows + 2), label="top_n")
+  top_n = data.draw(st.one_of(st.integers(1, num_rows + 2), st.just("auto")), label="top_n")
+  overflow = data.draw(st.sampled_from(["exact", "nan", "drop"]), label="overflow")
   num_nonzero = data.draw(st.integers(0, num_rows), label="num_nonzero")
   rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
   x, kernel, bias, g = _problem(rng, tuple(lead), in_features, out_features, num_nonzero)
-  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=top_n)
+  dx, dkernel, dbias = _grads(sebp_linear, x, kernel, bias, g, top_n=top_n, overflow=overflow)
   g2d = g.reshape(num_rows, out_features)
-  rows = (np.flatnonzero(g2d.any(axis=1)) if top_n >= num_rows
-          else reference_active_rows(g2d, top_n))
+  rows = np.flatnonzero(g2d.any(axis=1))
+  if top_n != "auto" and len(rows) > top_n:
+    if overflow == "nan":
+      assert all(np.all(np.isnan(grad)) for grad in (dx, dkernel, dbias))
+      return
+    if overflow == "drop":
+      rows = reference_active_rows(g2d, top_n)
   ref = reference_backward(x.reshape(num_rows, in_features), kernel, g2d, rows)
   np.testing.assert_allclose(dx.reshape(num_rows, in_features), ref[0], rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(dkernel, ref[1], rtol=1e-4, atol=1e-5)
@@ -290,9 +301,14 @@ def test_differentiating_the_backward_again_is_refused():
     jax.hessian(loss)(kernel)
   with pytest.raises(NotImplementedError, match="cannot be differentiated"):
     jax.grad(lambda k: jnp.sum(jax.grad(loss)(k) ** 2))(kernel)
-  lookup = lambda t: jnp.sum(sebp_jax.sebp_embed_lookup(t, jnp.array([0, 2, 2]), top_n=2) ** 3)
+  lookup = lambda overflow: lambda t: jnp.sum(sebp_jax.sebp_embed_lookup(
+      t, jnp.array([0, 2, 2]), top_n=2, overflow=overflow) ** 3)
   with pytest.raises(NotImplementedError, match="cannot be differentiated"):
-    jax.hessian(lookup)(jnp.ones((4, 2)))
+    jax.hessian(lookup("drop"))(jnp.ones((4, 2)))
+  # Keeping every row with no threshold, the lookup is the plain one, exact to any order.
+  plain = lambda t: jnp.sum(jnp.take(t, jnp.array([0, 2, 2]), axis=0) ** 3)
+  np.testing.assert_allclose(jax.hessian(lookup("exact"))(jnp.ones((4, 2))),
+                             jax.hessian(plain)(jnp.ones((4, 2))))
 
 
 def test_complex_rows_are_scored_by_their_magnitudes():

@@ -26,15 +26,17 @@ def _table_grad(table, ids, dy, **kwargs):
 
 
 @pytest.mark.parametrize("shape", [(24,), (3, 8), (2, 3, 5)])
-@pytest.mark.parametrize("top_n", [3, 7, 30])
-def test_gradient_equals_reference(shape, top_n):
-  rng = np.random.default_rng(top_n + len(shape))
+@pytest.mark.parametrize("top_n", [3, 7, 30, "auto"])
+@pytest.mark.parametrize("overflow", ["exact", "drop"])
+def test_gradient_equals_reference(shape, top_n, overflow):
+  rng = np.random.default_rng(len(shape))
   table, ids, dy = _problem(rng, shape)
-  got = _table_grad(table, ids, dy, top_n=top_n)
-  rows = reference_active_rows(dy, top_n)
+  got = _table_grad(table, ids, dy, top_n=top_n, overflow=overflow, threshold=1e-9)
+  dropping = overflow == "drop" and top_n != "auto"
+  rows = reference_active_rows(dy, top_n if dropping else len(dy))
   np.testing.assert_allclose(got, reference_table_grad(11, ids.reshape(-1), dy, rows),
                              rtol=1e-6, atol=1e-6)
-  if top_n >= 7:  # Every non-zero row kept: the dense gradient, exactly.
+  if not dropping or top_n >= 7:  # Every non-zero row kept: the dense gradient, exactly.
     want = jax.grad(lambda t: jnp.sum(jnp.take(t, ids, axis=0) * dy.reshape(ids.shape + (-1,))))(
         table)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
@@ -110,8 +112,10 @@ def test_bad_arguments_name_what_was_expected():
     sebp_embed_lookup(table, ids.astype(jnp.float32), top_n=2)
   with pytest.raises(ValueError, match="table must be 2-D"):
     sebp_embed_lookup(jnp.ones((5,)), ids, top_n=2)
-  with pytest.raises(ValueError, match="active_rows must be an integer array of shape"):
-    sebp_embed_lookup(table, ids, top_n=2, active_rows=jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="active_rows must be a non-empty 1-D integer array"):
+    sebp_embed_lookup(table, ids, top_n=2, active_rows=jnp.zeros((3, 1), jnp.int32))
+  with pytest.raises(ValueError, match="overflow must be one of"):
+    sebp_embed_lookup(table, ids, overflow="clip")
   with pytest.raises(ValueError, match="top_n"):
     sebp_embed_lookup(table, ids, top_n=0)
   with pytest.raises(ValueError, match="integer token ids"):

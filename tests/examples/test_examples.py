@@ -63,3 +63,19 @@ def test_time_forward_backward_reports_milliseconds():
   for timing in timings.values():
     assert set(timing) == {"forward_ms", "forward_backward_ms", "backward_ms"}
     assert all(value > 0 for value in timing.values())
+
+
+def test_the_bert_example_shows_the_row_log(tmp_path, capsys):
+  """A short unpacked run with ``--row-log``: every encoder layer reports, once per training
+  step, the batch's real tokens as its active rows, all kept."""
+  summary = finetune_bert_sst2.main([
+      "--steps", "2", "--batch-size", "4", "--max-length", "32", "--dev-examples", "8",
+      "--timing-repeats", "1", "--no-packed", "--row-log", "--out", str(tmp_path)])
+  lines = summary["row_log"].splitlines()
+  assert "SEBP row log" in capsys.readouterr().out
+  layers = [line for line in lines[1:] if line.startswith("bert/encoder/layer/")]
+  assert len(layers) == 6 * 6
+  for line in layers:
+    steps, rows = map(int, line.split()[1:3])
+    assert (steps, rows) == (2, 4 * 32)
+    assert line.split()[-1] == "0"  # nothing dropped
