@@ -53,7 +53,8 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
-  """The baselines and packing the benchmark times compute the dense loss and gradient."""
+  """The baselines, packing and the exact capacities the benchmark times compute the dense
+  loss and gradient."""
   setup = model.setup_for(kind, tiny=True)
   net = model.build_model(kind, tiny=True, dtype=jnp.float32)
   batch = model.make_batch(kind, net, setup, seed=1)
@@ -61,9 +62,11 @@ def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
   dense = jax.value_and_grad(model.make_loss(kind, net, "dense", top_n, "auto"))
   want_loss, want = dense(net.params, batch)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
-  for mode in ("dense_fast_attention", "sebp_packed"):
+  for mode in ("dense_fast_attention", "sebp_packed", "sebp_auto", "sebp_auto_host",
+               "sebp_exact"):
     loss_fn = model.make_loss(kind, net, mode, top_n, "auto",
-                              capacity=token_capacity(batch["attention_mask"], 16))
+                              capacity=token_capacity(batch["attention_mask"], 16),
+                              host_mask=batch["attention_mask"])
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(net.params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
@@ -84,7 +87,7 @@ def test_layer_benchmark_records(tmp_path, capsys):
               "--input-sets", "1", "--compile-threads", "1", "--out", str(out)])
   records = [json.loads(line) for line in out.read_text().splitlines()]
   variants = {(r["backend"], r["index"]) for r in records}
-  assert variants == {("dense", None), ("kept_matmuls", "pregathered"),
+  assert variants == {("dense", None), ("kept_matmuls", "pregathered"), ("auto", "auto_capacity"),
                       *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
   # The table shows both backends' time over the roofline, as recorded.

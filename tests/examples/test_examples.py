@@ -65,6 +65,7 @@ def test_time_forward_backward_reports_milliseconds():
     assert all(value > 0 for value in timing.values())
 
 
+@pytest.mark.slow
 def test_the_bert_example_shows_the_row_log(tmp_path, capsys):
   """A short unpacked run with ``--row-log``: every encoder layer reports, once per training
   step, the batch's real tokens as its active rows, all kept."""

@@ -27,6 +27,7 @@ def _run(tmp_path, *options):
   return summary, {row["layer"]: row for row in summary["layers"]}
 
 
+@pytest.mark.slow
 def test_minilm_sst2_profile(tmp_path, capsys):
   summary, layers = _run(tmp_path, "--model", "minilm-sst2", "--steps", "2", "--batch-size",
                          "4", "--max-length", "32", "--threshold", "0", "--top-n", "4")
