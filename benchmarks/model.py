@@ -1,4 +1,5 @@
-"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama.
+"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama (Linen),
+and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
 of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one
@@ -39,7 +40,13 @@ Modes:
 
     python -m benchmarks.model --model bert --out bert.jsonl
     python -m benchmarks.model --model llama --out llama.jsonl
+    python -m benchmarks.model --model llama --model llama_nnx --modes dense,sebp_shared,bound
     python -m benchmarks.model --model bert --tiny     # a CPU smoke run at toy sizes
+
+The NNX model runs the modes of :data:`NNX_MODES` (no packing) in bfloat16. Tunix's Llama
+computes in its weights' dtype: ``llama_nnx`` keeps float32 weights and casts them in the loss
+(so every gradient of a weight takes one more pass, float32 from bfloat16, that Linen's SEBP
+layers do not take: they cast inside the op), ``llama_nnx_bf16`` keeps bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -51,17 +58,20 @@ import functools
 import json
 import pathlib
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax import lax
 from tqdm import tqdm
 
 from benchmarks.harness import append_json_lines, median_ms, parse_subset, record
 from sebp_jax import model_families, use_sebp
+from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import masked_causal_lm_loss
 from sebp_jax.packing import fused_attention_implementation, token_capacity
@@ -74,6 +84,9 @@ MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp
          *(LONGEST + m for m in ("dense", "dense_fast_attention", "sebp_shared", "sebp_packed")))
 #: Modes that need a language-model head.
 LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head")
+#: The modes of the NNX model.
+NNX_MODES = ("dense", "sebp_layer", "sebp_layer_auto", "sebp_shared", "sebp_exact", "sebp_auto",
+             "sebp_auto_host", "sebp_floor", "bound")
 FLOOR_ROWS = 16
 
 
@@ -85,6 +98,9 @@ class Setup:
   length: int
   lengths_file: str
   has_lm_head: bool
+  nnx: bool = False
+  #: The NNX model's weights: float32 (cast to bfloat16 in the loss) or bfloat16.
+  param_dtype: Any = jnp.float32
 
 
 SETUPS = {
@@ -92,6 +108,12 @@ SETUPS = {
                   "sst2_dev_bert_wordpiece.json", has_lm_head=False),
     "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
                    has_lm_head=True),
+    # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
+    "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
+                       "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
+    "llama_nnx_bf16": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3, bfloat16 weights", 4,
+                            1024, "wikitext2_valid_smollm2_bpe.json", has_lm_head=False,
+                            nnx=True, param_dtype=jnp.bfloat16),
 }
 
 
@@ -101,10 +123,49 @@ def setup_for(kind: str, tiny: bool) -> Setup:
   return dataclasses.replace(setup, batch_size=4, length=64) if tiny else setup
 
 
+@dataclasses.dataclass(frozen=True)
+class NNXModel:
+  """An NNX model split for ``jax.jit``: its ``params`` apart from the rest of its state."""
+  graphdef: Any
+  params: Any
+  rest: Any
+  config: Any
+
+  def merge(self, params, dtype) -> nnx.Module:
+    return nnx.merge(self.graphdef, jax.tree.map(lambda p: p.astype(dtype), params), self.rest)
+
+
+def build_nnx_llama(tiny: bool, param_dtype) -> NNXModel:
+  """Tunix's NNX Llama 3 with random ``param_dtype`` weights (normal, std 0.02: Tunix
+  initialises its MLP kernels to zero) at Llama-3.2-1B shapes, or toy ones with ``tiny``."""
+  from examples.pretrained import tunix_llama3
+  llama3 = tunix_llama3()
+  config = llama3.ModelConfig.llama3p2_1b()
+  if tiny:
+    config = dataclasses.replace(config, num_layers=2, vocab_size=1000, embed_dim=64,
+                                 hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2)
+
+  abstract = nnx.eval_shape(lambda: llama3.Llama3(config, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError("expected a Llama 3 whose only state is its params")
+  shapes, treedef = jax.tree.flatten(abstract_params)
+
+  @jax.jit
+  def init(key):
+    keys = jax.random.split(key, len(shapes))
+    return [0.02 * jax.random.normal(k, p.shape, param_dtype) for k, p in zip(keys, shapes)]
+
+  params = jax.tree.unflatten(treedef, init(jax.random.key(0)))
+  return NNXModel(graphdef, params, rest, config)
+
+
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
   from transformers import (BertConfig, FlaxBertForSequenceClassification,
                             FlaxLlamaForCausalLM, LlamaConfig)
+  if SETUPS[kind].nnx:
+    return build_nnx_llama(tiny, SETUPS[kind].param_dtype)
   if kind == "bert":
     config = BertConfig(num_labels=2)
     if tiny:
@@ -204,31 +265,53 @@ def length_aware_attention(lengths):
     yield
 
 
+class NNXBound(sebp_nnx.use_sebp):
+  """The NNX lower bound: the layers ``sebp_jax.nnx.use_sebp`` swaps keep their forward but
+  their backward does no matmul (as :func:`linear_backward_removed`); embeddings as SEBP runs
+  them."""
+
+  def run_layer(self, module, swap, inputs):
+    if swap.kind == "embed":
+      return super().run_layer(module, swap, inputs)
+    y = jax.lax.stop_gradient(sebp_nnx.dense_forward(module, inputs))
+    return _without_backward_matmuls(inputs, y)
+
+
+def sebp_options(mode: str, mask, top_n: int, backend: str, host_mask) -> dict | None:
+  """The ``use_sebp`` options of an SEBP mode, Linen and NNX alike; None for other modes."""
+  if mode in ("sebp_shared", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
+    return dict(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, overflow="nan",
+                backend=backend, active_mask=mask, embeddings=mode != "sebp_dense_only",
+                lm_head=mode == "sebp_lm_head")
+  if mode == "sebp_exact":
+    return dict(top_n=top_n, backend=backend, active_mask=mask)
+  if mode in ("sebp_auto", "sebp_auto_host"):
+    return dict(backend=backend, active_mask=host_mask if mode == "sebp_auto_host" else mask)
+  if mode == "sebp_layer":
+    return dict(top_n=top_n, overflow="drop", backend=backend)
+  if mode == "sebp_layer_auto":
+    return dict(backend=backend)
+  return None
+
+
 def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
               capacity: int | None = None, host_mask: np.ndarray | None = None):
   """The loss of ``mode``; ``top_n`` (real tokens) for SEBP, ``capacity`` (at least the real
   tokens) for packing, ``host_mask`` (the batch's mask as a host array) for
   ``sebp_auto_host``."""
   mode = mode.removeprefix(LONGEST)
+  if SETUPS[kind].nnx:
+    return make_nnx_loss(model, mode, top_n, backend, host_mask)
 
   def context(batch):
     mask = batch["attention_mask"]
+    options = sebp_options(mode, mask, top_n, backend, host_mask)
+    if options is not None:
+      return use_sebp(**options)
     if mode == "sebp_packed":
       return use_sebp(top_n=capacity, backend=backend, active_mask=mask, packed=True)
     if mode == "dense_fast_attention":
       return length_aware_attention(jnp.sum(mask, axis=1, dtype=jnp.int32))
-    if mode in ("sebp_shared", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
-      return use_sebp(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, overflow="nan",
-                      backend=backend, active_mask=mask, embeddings=mode != "sebp_dense_only",
-                      lm_head=mode == "sebp_lm_head")
-    if mode == "sebp_exact":
-      return use_sebp(top_n=top_n, backend=backend, active_mask=mask)
-    if mode in ("sebp_auto", "sebp_auto_host"):
-      return use_sebp(backend=backend, active_mask=host_mask if mode == "sebp_auto_host" else mask)
-    if mode == "sebp_layer":
-      return use_sebp(top_n=top_n, overflow="drop", backend=backend)
-    if mode == "sebp_layer_auto":
-      return use_sebp(backend=backend)
     if mode in ("bound", "bound_lm_head"):
       stack = contextlib.ExitStack()
       stack.enter_context(linear_backward_removed(lm_head=mode == "bound_lm_head"))
@@ -247,6 +330,28 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
           logits.astype(jnp.float32), batch["labels"]).mean()
     return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
                                  capacity=capacity if mode == "sebp_packed" else None)
+  return loss_fn
+
+
+def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mask):
+  """The loss of ``mode`` (one of :data:`NNX_MODES`) of the NNX Llama, a function of its
+  params, computed in bfloat16."""
+  from examples.pretrained import tunix_logits
+
+  def loss_fn(params, batch):
+    module = model.merge(params, jnp.bfloat16)
+    mask = batch["attention_mask"]
+    options = sebp_options(mode, mask, top_n, backend, host_mask)
+    if mode == "bound":
+      context = NNXBound(module, top_n=top_n, overflow="nan", active_mask=mask,
+                         require_swaps=False)
+    elif options is not None:
+      context = sebp_nnx.use_sebp(module, **options)
+    else:
+      context = contextlib.nullcontext()
+    with context:
+      logits = tunix_logits(module, batch["input_ids"], mask)
+    return masked_causal_lm_loss(logits, batch["input_ids"], mask)
   return loss_fn
 
 
@@ -270,6 +375,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   opt_state = optimizer.init(params)
   if not setup.has_lm_head:
     modes = [m for m in modes if m not in LM_HEAD_MODES]
+  if setup.nnx:
+    modes = [m for m in modes if m in NNX_MODES]
   rows = []
   for mode in tqdm(modes, desc=kind, file=sys.stdout):
     mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
@@ -292,7 +399,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         padded_length=mode_batch["input_ids"].shape[1], real_tokens=top_n,
         rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
         backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
-        compute_dtype="bfloat16", repeats=repeats, backend=backend))
+        compute_dtype="bfloat16", param_dtype=jnp.dtype(setup.param_dtype).name,
+        repeats=repeats, backend=backend))
     dense = next((r for r in rows if r["mode"] == "dense"), None)
     row = rows[-1]
     if dense:
@@ -306,12 +414,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':6} {'mode':28} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'grad ms':>8} "
+  header = (f"{'model':14} {'mode':28} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'grad ms':>8} "
             f"{'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x':>6} {'mem/dense':>9}")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['model']:6} {r['mode']:28} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
+    print(f"{r['model']:14} {r['mode']:28} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
           f"{r['backward_ms']:8.2f} {r['grad_ms']:8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('grad_speedup_vs_dense', float('nan')):6.2f} "

@@ -1,4 +1,5 @@
-"""What both fine-tuning examples share: the training loop, side-by-side timing, the plot."""
+"""What the fine-tuning examples share: the command line, the training loop, side-by-side
+timing, the plot."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
 
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
                         max_length: int, learning_rate: float, weight_decay: float,
-                        timing_repeats: int, out: str, extra=None) -> argparse.Namespace:
-  """The command line both examples share (defaults per example) of the example run as
-  ``python -m module``; ``extra(parser)`` adds more. Every count must be positive."""
+                        timing_repeats: int, out: str, extra=None,
+                        packing: bool = True) -> argparse.Namespace:
+  """The command line the examples share (defaults per example) of the example run as
+  ``python -m module``; ``extra(parser)`` adds more; ``packing`` offers ``--packed``. Every
+  count must be positive."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -45,13 +48,15 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                       help="folder holding sst2/ and wikitext2/")
   parser.add_argument("--out", type=pathlib.Path, default=out,
                       help="folder for the plot and summary.json")
-  parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                      help="the SEBP run also packs the model's layers onto the real tokens "
-                           "(use_sebp(packed=True)): padding costs nothing in the whole step")
+  if packing:
+    parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                        help="the SEBP run also packs the model's layers onto the real tokens "
+                             "(use_sebp(packed=True)): padding costs nothing in the whole step")
   parser.add_argument("--row-log", action="store_true",
                       help="log, per step and layer, what the SEBP backward did (active and "
-                           "kept rows, capacity, share of dY's norm dropped) and print it; "
-                           "packed, only the layers outside the packed stack run SEBP")
+                           "kept rows, capacity, share of dY's norm dropped) and print it"
+                           + ("; packed, only the layers outside the packed stack run SEBP"
+                              if packing else ""))
   if extra:
     extra(parser)
   args = parser.parse_args(argv)

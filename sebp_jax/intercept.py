@@ -15,12 +15,9 @@ reason. Enter it inside the function being jitted, or decorate that function wit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
-import re
-import threading
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -29,67 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebp_jax import model_families
+from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
+                              SEBPReport, record)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, module_path, resolve_top_n, sebp_dense_call,
                              sebp_embed_call)
-from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow,
-                          validate_threshold, validate_top_n)
+from sebp_jax.ops import validate_top_n
 from sebp_jax.packing import (PackedLayout, gather_tokens, pack_layout, packed_attention,
                               scatter_tokens, token_capacity)
 from sebp_jax.report import RowLog
-from sebp_jax.selection import active_rows_from_mask, capacity_ladder
+from sebp_jax.selection import active_rows_from_mask
 
 logger = logging.getLogger("sebp_jax")
 
-#: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
-_ACTIVE = threading.local()
 _NOT_PACKED = object()
 
-#: Every Dense layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
-#: the attention projections and MLP layers, the layers the SEBP paper swaps.
-DEFAULT_INCLUDE = r".*"
-#: Language-model heads: the Dense layers under a path component ``lm_head`` (Llama, Mistral,
-#: RoBERTa) or ``cls/predictions`` (BERT). They see every token, and under a loss masked on
-#: padding their dY rows of padding are exactly zero, but the paper leaves them dense;
-#: ``use_sebp(lm_head=True)`` swaps them.
-LM_HEAD = r"(^|/)(lm_head|cls/predictions)(/|$)"
-_LM_HEAD = re.compile(LM_HEAD)
-#: Poolers and classification heads by their names in transformers' models: they see one row
-#: per sequence, so there are no rows to skip. Language-model heads are left dense too unless
-#: ``lm_head=True``.
-DEFAULT_EXCLUDE = rf"(^|/)(pooler|classifier|score|qa_outputs)(/|$)|{LM_HEAD}"
+__all__ = ["DEFAULT_EXCLUDE", "DEFAULT_INCLUDE", "LM_HEAD", "SEBPReport", "use_sebp"]
 
 
-@dataclasses.dataclass
-class SEBPReport:
-  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``).
-
-  ``swapped`` lists the ``nn.Dense`` layers, ``embeddings`` the ``nn.Embed`` lookups that run
-  with the SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the
-  Dense layers (and embeddings) left dense, with the reason. With ``packed=True``, ``packed``
-  lists the modules run on the real tokens only (a model's encoder or decoder stack, its
-  language-model head) in ``capacity`` slots; the layers inside them are not listed apart.
-  """
-  swapped: list[str] = dataclasses.field(default_factory=list)
-  embeddings: list[str] = dataclasses.field(default_factory=list)
-  shared_index: list[str] = dataclasses.field(default_factory=list)
-  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-  packed: list[str] = dataclasses.field(default_factory=list)
-  capacity: int | None = None
-
-  @property
-  def num_swapped(self) -> int:
-    """Dense layers swapped (embeddings not counted)."""
-    return len(self.swapped)
-
-  def summary(self) -> str:
-    packed = (f"{', '.join(self.packed)} packed into {self.capacity} token slots; "
-              if self.packed else "")
-    return (f"use_sebp: {packed}{self.num_swapped} Dense layers and {len(self.embeddings)} "
-            f"embeddings swapped ({len(self.shared_index)} on the shared mask index), "
-            f"{len(self.skipped)} left dense")
-
-
-class use_sebp:
+class use_sebp(SEBPContext):
   """Runs the selected ``nn.Dense`` layers of any linen model with the SEBP backward.
 
   Use it inside the function that is traced, or as a decorator of it::
@@ -175,31 +129,17 @@ class use_sebp:
                backend: str = "auto", embeddings: bool = True, lm_head: bool = False,
                packed: bool = False, row_log: RowLog | None = None,
                require_swaps: bool = True):
-    validate_capacity(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
-    self.overflow = validate_overflow(overflow)
+    super().__init__(top_n, threshold, overflow=overflow, include=include, exclude=exclude,
+                     active_mask=active_mask, backend=backend, embeddings=embeddings,
+                     lm_head=lm_head, row_log=row_log, require_swaps=require_swaps)
     if packed and active_mask is None:
       raise ValueError("use_sebp(packed=True) needs active_mask: the [B, L] mask of the real "
                        "tokens to pack")
     if packed and overflow == "drop":
       raise ValueError("use_sebp(packed=True) cannot drop tokens: overflow must be 'exact' or "
                        "'nan'")
-    if row_log is not None and not isinstance(row_log, RowLog):
-      raise ValueError(f"row_log must be a sebp_jax.RowLog, got {type(row_log).__name__}")
-    self.top_n = top_n
-    self.row_log = row_log
-    self.threshold = validate_threshold(threshold)
-    self.include = re.compile(include)
-    self.exclude = re.compile(exclude) if exclude else None
-    self.lm_head = lm_head
-    self.active_mask = active_mask
-    self.backend = validate_backend(backend)
-    self.embeddings = embeddings
     self.packed = packed
-    self.require_swaps = require_swaps
-    self.report = SEBPReport()
-    self._contexts: list[contextlib.ExitStack] = []
-    self._shared_rows: jax.Array | None = None
-    self._shared_top_n: int | str | None = None
+    self._stack: contextlib.ExitStack | None = None
     self._layout: PackedLayout | None = None
     # The family whose region is running, and whether one ran in this context.
     self._region_family: model_families.PackedFamily | None = None
@@ -208,8 +148,9 @@ class use_sebp:
   def _fresh_copy(self) -> "use_sebp":
     # Each call of a decorated function gets its own context and report.
     fresh = use_sebp.__new__(use_sebp)
-    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _contexts=[], _shared_rows=None,
-                          _shared_top_n=None, _layout=None, _region_family=None, _packed_a_region=False)
+    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _stack=None, _shared_rows=None,
+                          _shared_top_n=None, _layout=None, _region_family=None,
+                          _packed_a_region=False)
     return fresh
 
   def __call__(self, fn: Callable) -> Callable:
@@ -220,25 +161,14 @@ class use_sebp:
     return wrapped
 
   def __enter__(self) -> SEBPReport:
-    if getattr(_ACTIVE, "context", None) is not None:
-      # Two interceptors would both see every layer; which one wins would depend on flax's
-      # interceptor order, and the loser's report would be wrong.
-      raise RuntimeError(
-          "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
-          "model call, with the options of all its layers (include/exclude pick layers).")
-    if self.active_mask is not None and jnp.size(self.active_mask) > 0:
-      # Computed here, in the trace that entered the context, so that layers traced inside
-      # nn.scan / nn.remat close over it instead of leaking an inner tracer out.
-      self._share_mask_index()
-    stack = contextlib.ExitStack()
-    stack.enter_context(nn.intercept_methods(self._intercept))
-    self._contexts.append(stack)
-    _ACTIVE.context = self
+    self.activate()
+    self._stack = contextlib.ExitStack()
+    self._stack.enter_context(nn.intercept_methods(self._intercept))
     return self.report
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    self._contexts.pop().close()
-    _ACTIVE.context = None
+    self._stack.close()
+    self.deactivate()
     if exc_type is not None:
       return
     logger.info(self.report.summary())
@@ -247,83 +177,32 @@ class use_sebp:
           "use_sebp(packed=True) packed nothing: no module of a supported model ran "
           f"({model_families.SUPPORTED}, from transformers), or the function was compiled "
           "before. Use it around such a model's call, inside the traced function.")
-    if self._packed_a_region:
-      return
-    # A model may have embeddings only; but an include of one's own that matches no Dense
-    # layer is a typo.
-    include_given = self.include.pattern != DEFAULT_INCLUDE
-    if self.require_swaps and not self.report.swapped and (include_given
-                                                           or not self.report.embeddings):
-      skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
-      raise RuntimeError(
-          "use_sebp swapped no Dense layer. If you called a function that jax.jit had already "
-          "compiled, its compiled (dense) version ran: enter use_sebp inside the jitted "
-          "function or decorate it with use_sebp(...). Otherwise include/exclude matched no "
-          f"layer{' (' + skipped + ')' if skipped else ''}.")
-    if self.require_swaps and self._shared_rows is not None and not self.report.shared_index:
-      raise RuntimeError(
-          f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
-          "no Dense input had it as its leading dimensions and no embedding's ids had its "
-          "shape. Pass the mask of the tokens the layers see (e.g. attention_mask [B, L]).")
+    if not self._packed_a_region:
+      self.check_swaps("Dense layer", (
+          "If you called a function that jax.jit had already compiled, its compiled (dense) "
+          "version ran: enter use_sebp inside the jitted function or decorate it with "
+          "use_sebp(...). "))
 
-  def _share_mask_index(self) -> None:
-    """The index of ``active_mask``'s tokens that every layer on its rows shares, and the
-    capacity those layers run at; with ``packed``, the packed layout."""
-    num_rows = math.prod(jnp.shape(self.active_mask))
-    top_n = resolve_top_n(self.top_n, num_rows)
+  def share_mask_index(self) -> None:
+    """The shared index of ``active_mask``; with ``packed``, the packed layout too."""
+    if not self.packed:
+      super().share_mask_index()
+      return
+    top_n = resolve_top_n(self.top_n, math.prod(jnp.shape(self.active_mask)))
     concrete = not isinstance(self.active_mask, jax.core.Tracer)
-    count = int(np.count_nonzero(np.asarray(self.active_mask))) if concrete else None
-    if self.packed:
-      if concrete and (top_n == "auto" or (self.overflow == "exact" and count > top_n)):
-        top_n = token_capacity(self.active_mask)
-      elif top_n == "auto":
-        raise ValueError(
-            "use_sebp(packed=True) packs into a static capacity, and active_mask is traced: "
-            "pick it on the host, top_n=sebp_jax.token_capacity(mask), and pass it as a static "
-            "argument of the jitted function")
-      # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
-      self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
-      self.report.capacity = top_n
-      self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
-      self._shared_top_n = top_n
-      return
-    if concrete and self.overflow != "drop":
-      # Every real token fits: the index is complete, and no layer needs to branch.
-      if self.overflow == "nan" and top_n != "auto" and count > top_n:
-        raise ValueError(f"active_mask has {count} real tokens, more than top_n={top_n} "
-                         "(overflow='nan'): give a top_n of at least that")
-      if top_n == "auto" or count > top_n:
-        top_n = next((rung for rung in capacity_ladder(num_rows) if rung >= count), num_rows)
-      size = top_n
-    elif self.overflow == "nan" and top_n != "auto":
-      size = min(num_rows, top_n + 1)  # One slot past top_n tells an overflow.
-    else:
-      size = num_rows  # Every real token: the layers choose their capacity at run time.
-    self._shared_rows = active_rows_from_mask(self.active_mask, size)
+    if concrete and (top_n == "auto" or (
+        self.overflow == "exact" and np.count_nonzero(np.asarray(self.active_mask)) > top_n)):
+      top_n = token_capacity(self.active_mask)
+    elif top_n == "auto":
+      raise ValueError(
+          "use_sebp(packed=True) packs into a static capacity, and active_mask is traced: "
+          "pick it on the host, top_n=sebp_jax.token_capacity(mask), and pass it as a static "
+          "argument of the jitted function")
+    # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
+    self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
+    self.report.capacity = top_n
+    self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
     self._shared_top_n = top_n
-
-  def _record(self, bucket: list[str], path: str) -> None:
-    if path not in bucket:
-      bucket.append(path)
-
-  def _rows_to_keep(self, path: str, row_shape) -> tuple[jax.Array | None, Any] | str:
-    """``(active_rows, top_n)`` for a layer whose rows have ``row_shape`` (the leading dims of
-    a Dense input, all dims of embedding ids), or why it stays dense.
-
-    With ``active_mask``, shapes and not only counts must agree for the shared index: a
-    transposed batch of as many rows would take the index for rows it does not describe, so
-    it selects its own; another number of rows is not the mask's tokens at all.
-    """
-    if self._shared_rows is None:
-      return None, self.top_n
-    mask_shape = jnp.shape(self.active_mask)
-    if tuple(row_shape) == mask_shape:
-      self._record(self.report.shared_index, path)
-      return self._shared_rows, self._shared_top_n
-    if math.prod(row_shape) == math.prod(mask_shape):
-      return None, self.top_n
-    return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
-            "active_mask")
 
   def skip_reason(self, module: nn.Module) -> str | None:
     """Why this context leaves ``module`` (a bound ``nn.Dense`` or ``nn.Embed``, as its
@@ -338,11 +217,9 @@ class use_sebp:
       # A module applied through .apply inside another one (a head tied to an embedding's
       # weights): nothing tells what it is or what its rows are.
       return "no path of its own (applied through .apply)"
-    if not (is_dense and self.lm_head and _LM_HEAD.search(path)):
-      if self.exclude and self.exclude.search(path):
-        return "matched by exclude"
-      if is_dense and not self.include.search(path):
-        return "not matched by include"
+    reason = self.path_skip_reason(path, is_dense)
+    if reason:
+      return reason
     if is_dense and (module.dot_general is not None or module.dot_general_cls is not None):
       return "custom dot_general (e.g. fp8/quantized)"
     if not is_dense and module.num_embeddings == 1:
@@ -364,7 +241,7 @@ class use_sebp:
       return next_fun(*args, **kwargs)
     family = model_families.region_family(module)
     if family is not None:
-      self._record(self.report.packed, module_path(module))
+      record(self.report.packed, module_path(module))
       self._region_family, self._packed_a_region = family, True
       try:
         return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
@@ -377,7 +254,7 @@ class use_sebp:
         and _LM_HEAD.search(path)):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
-        self._record(self.report.packed, path)
+        record(self.report.packed, path)
         return scatter_tokens(next_fun(gather_tokens(inputs, self._layout)), self._layout)
     return _NOT_PACKED
 
@@ -398,17 +275,17 @@ class use_sebp:
         self.report.skipped[path] = reason
       return next_fun(*args, **kwargs)
     (inputs,) = args or (kwargs["inputs"],)
-    rows = self._rows_to_keep(path, jnp.shape(inputs) if is_embed else jnp.shape(inputs)[:-1])
+    rows = self.rows_to_keep(path, jnp.shape(inputs) if is_embed else jnp.shape(inputs)[:-1])
     if isinstance(rows, str):
       self.report.skipped[path] = rows
       return next_fun(*args, **kwargs)
     active_rows, top_n = rows
     if is_embed:
-      self._record(self.report.embeddings, path)
+      record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
                              overflow=self.overflow, active_rows=active_rows,
                              row_log=self.row_log)
-    self._record(self.report.swapped, path)
+    record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
                            backend=self.backend, overflow=self.overflow,
                            active_rows=active_rows, row_log=self.row_log)

@@ -73,12 +73,48 @@ def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
       np.testing.assert_allclose(got, expected, atol=2e-5 * scale)
 
 
+def test_nnx_modes_give_the_dense_gradient_and_the_bound_drops_the_weight_gradients():
+  """The NNX Llama's SEBP modes compute its dense loss and gradient; its bound keeps the
+  forward and gives the swapped layers no gradient."""
+  setup = model.setup_for("llama_nnx", tiny=True)
+  net = model.build_model("llama_nnx", tiny=True, dtype=jnp.float32)
+  batch = model.make_batch("llama_nnx", net, setup, seed=2)
+  top_n = int(batch["attention_mask"].sum())
+  want_loss, want = jax.value_and_grad(model.make_loss("llama_nnx", net, "dense", top_n,
+                                                       "auto"))(net.params, batch)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+  for mode in ("sebp_shared", "sebp_exact", "sebp_auto_host"):
+    loss_fn = model.make_loss("llama_nnx", net, mode, top_n, "xla",
+                              host_mask=batch["attention_mask"])
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(net.params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=2e-2)  # bfloat16 compute
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(got, expected, atol=2e-2 * scale)
+  bound = model.make_loss("llama_nnx", net, "bound", top_n, "auto")
+  assert np.isclose(bound(net.params, batch), want_loss)
+  grads = jax.grad(bound)(net.params, batch)
+  assert not np.any(grads["layers"][0]["mlp"]["up_proj"]["kernel"][...])
+  assert not np.any(grads["layers"][1]["attn"]["q_proj"]["w"][...])
+  assert np.any(grads["final_norm"]["w"][...])
+
+
 @pytest.mark.slow
 def test_lm_head_modes_only_for_models_with_one():
   rows = model.main(["--tiny", "--model", "bert", "--model", "llama", "--modes",
                      "dense,sebp_lm_head", "--repeats", "1"])
   assert [(r["model"], r["mode"]) for r in rows] == [
       ("bert", "dense"), ("llama", "dense"), ("llama", "sebp_lm_head")]
+
+
+@pytest.mark.slow
+def test_nnx_model_rows_beside_the_linen_ones():
+  rows = model.main(["--tiny", "--model", "llama", "--model", "llama_nnx", "--modes",
+                     "dense,sebp_shared,bound,sebp_packed", "--repeats", "1"])
+  assert [(r["model"], r["mode"]) for r in rows] == [
+      ("llama", "dense"), ("llama", "sebp_shared"), ("llama", "bound"),
+      ("llama", "sebp_packed"), ("llama_nnx", "dense"), ("llama_nnx", "sebp_shared"),
+      ("llama_nnx", "bound")]
+  assert {r["param_dtype"] for r in rows} == {"float32"}
 
 
 def test_layer_benchmark_records(tmp_path, capsys):

@@ -93,7 +93,7 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
   assert "bert/encoder/layer/1/intermediate/dense" in report.swapped
   assert report.embeddings == [f"bert/embeddings/{name}_embeddings"
                                for name in ("word", "position", "token_type")]
-  assert "12 Dense layers and 3 embeddings swapped" in report.summary()
+  assert "12 linear layers and 3 embeddings swapped" in report.summary()
   with use_sebp(top_n=4) as report:
     tiny_llama(ids, attention_mask=mask)
   assert report.num_swapped == 2 * 7 and "lm_head" in report.skipped

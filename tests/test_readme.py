@@ -51,3 +51,20 @@ def test_the_ops_snippet_runs_after_the_quick_start():
   assert jnp.array_equal(scope["y"], x @ kernel + bias)
   table = scope["params"]["params"]["Embed_0"]["embedding"]
   assert jnp.array_equal(scope["h"], table[scope["ids"]])
+
+
+def test_the_nnx_snippet_runs_after_the_quick_start_and_is_exact():
+  from flax import nnx
+
+  scope = {}
+  exec(compile(_python_blocks("## Quick start")[0], str(README), "exec"), scope)
+  (snippet,) = _python_blocks("### Flax NNX: `sebp_jax.nnx`")
+  exec(compile(snippet, str(README), "exec"), scope)
+  tagger, ids, mask, labels = (scope[k] for k in ("tagger", "ids", "mask", "labels"))
+
+  def dense_loss(model):
+    losses = optax.softmax_cross_entropy_with_integer_labels(model(ids), labels)
+    return jnp.sum(losses * mask) / jnp.sum(mask)
+
+  want = nnx.state(nnx.grad(dense_loss)(tagger), nnx.Param)
+  assert_every_gradient_close(nnx.state(scope["nnx_grads"], nnx.Param), want)

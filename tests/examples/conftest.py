@@ -15,3 +15,10 @@ def smollm2():
   """(model, params, tokenizer) of SmolLM2-135M-Instruct converted from its GGUF file."""
   from examples.pretrained import load_smollm2
   return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_nnx():
+  """(model, tokenizer) of SmolLM2-135M-Instruct in Tunix's NNX Llama 3, same weights."""
+  from examples.pretrained import load_smollm2_nnx
+  return load_smollm2_nnx()

@@ -1,0 +1,199 @@
+"""What the Linen and NNX ``use_sebp`` contexts share.
+
+Both pick layers by module path (``include`` / ``exclude`` / ``lm_head``), compute the shared
+index of ``active_mask``'s tokens once, hand each layer its rows and capacity, keep a
+:class:`SEBPReport`, and refuse to nest. They differ only in how a layer gets the SEBP backward:
+Linen intercepts methods (:mod:`sebp_jax.intercept`), NNX swaps classes
+(:mod:`sebp_jax.nnx`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sebp_jax.layers import resolve_top_n
+from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow,
+                          validate_threshold)
+from sebp_jax.report import RowLog
+from sebp_jax.selection import active_rows_from_mask, capacity_ladder
+
+#: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
+_ACTIVE = threading.local()
+
+#: Every linear layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
+#: the attention projections and MLP layers, the layers the SEBP paper swaps.
+DEFAULT_INCLUDE = r".*"
+#: Language-model heads: the layers under a path component ``lm_head`` (Llama, Mistral,
+#: RoBERTa) or ``cls/predictions`` (BERT). They see every token, and under a loss masked on
+#: padding their dY rows of padding are exactly zero, but the paper leaves them dense;
+#: ``use_sebp(lm_head=True)`` swaps them.
+LM_HEAD = r"(^|/)(lm_head|cls/predictions)(/|$)"
+_LM_HEAD = re.compile(LM_HEAD)
+#: Poolers and classification heads by their names in transformers' models: they see one row
+#: per sequence, so there are no rows to skip. Language-model heads are left dense too unless
+#: ``lm_head=True``.
+DEFAULT_EXCLUDE = rf"(^|/)(pooler|classifier|score|qa_outputs)(/|$)|{LM_HEAD}"
+
+
+@dataclasses.dataclass
+class SEBPReport:
+  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``).
+
+  ``swapped`` lists the linear layers, ``embeddings`` the embedding lookups that run with the
+  SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the linear
+  layers (and embeddings) left dense, with the reason. With ``packed=True`` (Linen),
+  ``packed`` lists the modules run on the real tokens only (a model's encoder or decoder
+  stack, its language-model head) in ``capacity`` slots; the layers inside them are not listed
+  apart.
+  """
+  swapped: list[str] = dataclasses.field(default_factory=list)
+  embeddings: list[str] = dataclasses.field(default_factory=list)
+  shared_index: list[str] = dataclasses.field(default_factory=list)
+  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+  packed: list[str] = dataclasses.field(default_factory=list)
+  capacity: int | None = None
+
+  @property
+  def num_swapped(self) -> int:
+    """Linear layers swapped (embeddings not counted)."""
+    return len(self.swapped)
+
+  def summary(self) -> str:
+    packed = (f"{', '.join(self.packed)} packed into {self.capacity} token slots; "
+              if self.packed else "")
+    return (f"use_sebp: {packed}{self.num_swapped} linear layers and {len(self.embeddings)} "
+            f"embeddings swapped ({len(self.shared_index)} on the shared mask index), "
+            f"{len(self.skipped)} left dense")
+
+
+def record(bucket: list[str], path: str) -> None:
+  if path not in bucket:
+    bucket.append(path)
+
+
+class SEBPContext:
+  """The options, layer choice, shared index and report of one ``use_sebp`` context.
+
+  Subclasses hook the chosen layers in on :meth:`activate` and out on :meth:`deactivate`.
+  """
+
+  def __init__(self, top_n: int | float | str, threshold: float, *, overflow: str,
+               include: str, exclude: str | None, active_mask: jax.Array | None,
+               backend: str, embeddings: bool, lm_head: bool, row_log: RowLog | None,
+               require_swaps: bool):
+    validate_capacity(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
+    self.overflow = validate_overflow(overflow)
+    if row_log is not None and not isinstance(row_log, RowLog):
+      raise ValueError(f"row_log must be a sebp_jax.RowLog, got {type(row_log).__name__}")
+    self.top_n = top_n
+    self.row_log = row_log
+    self.threshold = validate_threshold(threshold)
+    self.include = re.compile(include)
+    self.exclude = re.compile(exclude) if exclude else None
+    self.lm_head = lm_head
+    self.active_mask = active_mask
+    self.backend = validate_backend(backend)
+    self.embeddings = embeddings
+    self.require_swaps = require_swaps
+    self.report = SEBPReport()
+    self._shared_rows: jax.Array | None = None
+    self._shared_top_n: int | str | None = None
+
+  @property
+  def include_given(self) -> bool:
+    return self.include.pattern != DEFAULT_INCLUDE
+
+  def activate(self) -> None:
+    """Makes this the thread's context and computes the shared index of ``active_mask``."""
+    if getattr(_ACTIVE, "context", None) is not None:
+      # Two contexts would both claim every layer; the loser's report would be wrong.
+      raise RuntimeError(
+          "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
+          "model call, with the options of all its layers (include/exclude pick layers).")
+    if self.active_mask is not None and jnp.size(self.active_mask) > 0:
+      # Computed here, in the trace that entered the context, so that layers traced inside
+      # scan / remat close over it instead of leaking an inner tracer out.
+      self.share_mask_index()
+    _ACTIVE.context = self
+
+  def deactivate(self) -> None:
+    _ACTIVE.context = None
+
+  def share_mask_index(self) -> None:
+    """The index of ``active_mask``'s tokens that every layer on its rows shares, and the
+    capacity those layers run at."""
+    num_rows = math.prod(jnp.shape(self.active_mask))
+    top_n = resolve_top_n(self.top_n, num_rows)
+    concrete = not isinstance(self.active_mask, jax.core.Tracer)
+    if concrete and self.overflow != "drop":
+      # Every real token fits: the index is complete, and no layer needs to branch.
+      count = int(np.count_nonzero(np.asarray(self.active_mask)))
+      if self.overflow == "nan" and top_n != "auto" and count > top_n:
+        raise ValueError(f"active_mask has {count} real tokens, more than top_n={top_n} "
+                         "(overflow='nan'): give a top_n of at least that")
+      if top_n == "auto" or count > top_n:
+        top_n = next((rung for rung in capacity_ladder(num_rows) if rung >= count), num_rows)
+      size = top_n
+    elif self.overflow == "nan" and top_n != "auto":
+      size = min(num_rows, top_n + 1)  # One slot past top_n tells an overflow.
+    else:
+      size = num_rows  # Every real token: the layers choose their capacity at run time.
+    self._shared_rows = active_rows_from_mask(self.active_mask, size)
+    self._shared_top_n = top_n
+
+  def rows_to_keep(self, path: str, row_shape) -> tuple[jax.Array | None, Any] | str:
+    """``(active_rows, top_n)`` for a layer whose rows have ``row_shape`` (the leading dims of
+    a linear layer's input, all dims of embedding ids), or why it stays dense.
+
+    With ``active_mask``, shapes and not only counts must agree for the shared index: a
+    transposed batch of as many rows would take the index for rows it does not describe, so
+    it selects its own; another number of rows is not the mask's tokens at all.
+    """
+    if self._shared_rows is None:
+      return None, self.top_n
+    mask_shape = jnp.shape(self.active_mask)
+    if tuple(row_shape) == mask_shape:
+      record(self.report.shared_index, path)
+      return self._shared_rows, self._shared_top_n
+    if math.prod(row_shape) == math.prod(mask_shape):
+      return None, self.top_n
+    return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
+            "active_mask")
+
+  def path_skip_reason(self, path: str, is_linear: bool) -> str | None:
+    """Why ``include`` / ``exclude`` / ``lm_head`` leave the layer at ``path`` dense."""
+    if is_linear and self.lm_head and _LM_HEAD.search(path):
+      return None
+    if self.exclude and self.exclude.search(path):
+      return "matched by exclude"
+    if is_linear and not self.include.search(path):
+      return "not matched by include"
+    return None
+
+  def check_swaps(self, what: str, cause: str) -> None:
+    """Raises when ``require_swaps`` and this context gave no layer the SEBP backward, or
+    when its ``active_mask`` served no layer. ``what`` names the layer kind, ``cause`` the
+    likeliest reason besides include/exclude."""
+    if not self.require_swaps:
+      return
+    # A model may have embeddings only; but an include of one's own that matches no linear
+    # layer is a typo.
+    if not self.report.swapped and (self.include_given or not self.report.embeddings):
+      skipped = "; ".join(f"{p}: {why}" for p, why in list(self.report.skipped.items())[:5])
+      raise RuntimeError(
+          f"use_sebp swapped no {what}. {cause}Otherwise include/exclude matched no "
+          f"layer{' (' + skipped + ')' if skipped else ''}.")
+    if self._shared_rows is not None and not self.report.shared_index:
+      raise RuntimeError(
+          f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
+          "no linear layer's input had it as its leading dimensions and no embedding's ids "
+          "had its shape. Pass the mask of the tokens the layers see (e.g. attention_mask "
+          "[B, L]).")

@@ -1,0 +1,411 @@
+"""Flax NNX: `SEBPLinear` / `SEBPEmbed` as drop-ins, and `sebp_jax.nnx.use_sebp` on NNX models
+whose code it does not touch, under nnx.jit / nnx.grad / nnx.scan / nnx.remat.
+
+Tests comparing SEBP with dense ask for backend="xla" (on a GPU "auto" runs tiny layers
+dense)."""
+
+import collections
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sebp_jax import RowLog
+from sebp_jax import nnx as sebp_nnx
+from sebp_jax import use_sebp as linen_use_sebp
+from tests.model_testing import assert_every_gradient_close
+from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
+                             reference_table_grad, relative_error)
+
+
+def _grads(model, loss, *args):
+  return nnx.state(nnx.grad(loss)(model, *args), nnx.Param)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("top_n", ["auto", 30, 0.5])
+def test_sebp_linear_is_a_drop_in_with_the_reference_backward(use_bias, top_n):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 20, 16)), jnp.float32)
+  dy = jnp.asarray(random_sparse_rows(rng, 60, 8, 25).reshape(3, 20, 8))
+  dense = nnx.Linear(16, 8, use_bias=use_bias, rngs=nnx.Rngs(1))
+  sebp = sebp_nnx.SEBPLinear(16, 8, use_bias=use_bias, top_n=top_n, backend="xla",
+                             rngs=nnx.Rngs(1))
+  assert isinstance(sebp, nnx.Linear)
+  for a, b in zip(jax.tree.leaves(nnx.state(dense)), jax.tree.leaves(nnx.state(sebp))):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(sebp(x), dense(x))
+
+  _, vjp = jax.vjp(lambda s, x: nnx.merge(nnx.graphdef(sebp), s)(x), nnx.state(sebp), x)
+  d_state, dx = vjp(dy)
+  rows = np.flatnonzero(np.asarray(dy).reshape(60, 8).any(axis=1))
+  want_dx, want_dw, want_db = reference_backward(np.asarray(x).reshape(60, 16),
+                                                 np.asarray(sebp.kernel[...]),
+                                                 np.asarray(dy).reshape(60, 8), rows)
+  assert relative_error(dx.reshape(60, 16), want_dx) < 1e-6
+  assert relative_error(d_state["kernel"][...], want_dw) < 1e-6
+  if use_bias:
+    assert relative_error(d_state["bias"][...], want_db) < 1e-6
+
+
+def test_sebp_linear_with_a_small_capacity_drops_as_the_paper_does():
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((40, 12)), jnp.float32)
+  dy = jnp.asarray(random_sparse_rows(rng, 40, 6, 30))
+  layer = sebp_nnx.SEBPLinear(12, 6, top_n=8, overflow="drop", backend="xla", rngs=nnx.Rngs(0))
+  _, vjp = jax.vjp(lambda s: nnx.merge(nnx.graphdef(layer), s)(x), nnx.state(layer))
+  (d_state,) = vjp(dy)
+  rows = reference_active_rows(np.asarray(dy), 8)
+  _, want_dw, want_db = reference_backward(np.asarray(x), np.asarray(layer.kernel[...]),
+                                           np.asarray(dy), rows)
+  assert relative_error(d_state["kernel"][...], want_dw) < 1e-6
+  assert relative_error(d_state["bias"][...], want_db) < 1e-6
+
+
+def test_sebp_embed_is_a_drop_in_with_the_reference_backward():
+  rng = np.random.default_rng(2)
+  ids = jnp.asarray(rng.integers(0, 30, (4, 9)))
+  dy = jnp.asarray(random_sparse_rows(rng, 36, 5, 12).reshape(4, 9, 5))
+  dense = nnx.Embed(30, 5, rngs=nnx.Rngs(3))
+  sebp = sebp_nnx.SEBPEmbed(30, 5, top_n=16, rngs=nnx.Rngs(3))
+  np.testing.assert_array_equal(sebp(ids), dense(ids))
+  np.testing.assert_array_equal(sebp.attend(jnp.ones((2, 5))), dense.attend(jnp.ones((2, 5))))
+  _, vjp = jax.vjp(lambda s: nnx.merge(nnx.graphdef(sebp), s)(ids), nnx.state(sebp))
+  (d_state,) = vjp(dy)
+  rows = np.flatnonzero(np.asarray(dy).reshape(36, 5).any(axis=1))
+  want = reference_table_grad(30, np.asarray(ids).reshape(-1), np.asarray(dy).reshape(36, 5),
+                              rows)
+  assert relative_error(d_state["embedding"][...], want) < 1e-6
+  with pytest.raises(ValueError, match="integer"):
+    sebp(jnp.ones((2,), jnp.float32))
+
+
+def test_layer_options_are_checked():
+  with pytest.raises(ValueError, match="overflow"):
+    sebp_nnx.SEBPLinear(4, 4, overflow="clip", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dot_general"):
+    sebp_nnx.SEBPLinear(4, 4, dot_general=lambda *a, **k: None, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="kept fraction"):
+    sebp_nnx.SEBPEmbed(4, 4, top_n=2.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="row_log"):
+    sebp_nnx.SEBPLinear(4, 4, row_log="log", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("BTD,DNH->BTNH", (2, 1)), ("BTNH,NHD->BTD", (2, 2)), ("td,df->tf", (1, 1)),
+    ("B T D , D V -> B T V", (2, 1)),
+])
+def test_einsums_that_are_linear_maps_of_rows(spec, expected):
+  row_map = sebp_nnx.einsum_row_map(spec)
+  assert (row_map.row_dims, row_map.contracted_dims) == expected
+
+
+@pytest.mark.parametrize("spec", [
+    "BTD,NHD->BTNH",   # kernel's contracted dim is not its leading one
+    "BTD,DH->BHT",     # output dims reordered
+    "BTD,BDH->BTH",    # a batch dim in the kernel (per-example weights)
+    "...D,DH->...H",   # ellipsis
+    "BTD,DH",          # implicit output
+    "BTDD,DH->BTH",    # repeated index
+    "BT,H->BTH",       # nothing contracted: an outer product
+])
+def test_other_einsums_are_not(spec):
+  assert isinstance(sebp_nnx.einsum_row_map(spec), str)
+
+
+class Block(nnx.Module):
+  """Attention-like einsums with heads and an MLP of nnx.Linear: every swappable kind."""
+
+  def __init__(self, dim, rngs):
+    self.q = nnx.Einsum("BTD,DNH->BTNH", (dim, 2, dim // 2), (2, dim // 2), rngs=rngs)
+    self.o = nnx.Einsum("BTNH,NHD->BTD", (2, dim // 2, dim), rngs=rngs)
+    self.up = nnx.Linear(dim, 2 * dim, rngs=rngs)
+    self.down = nnx.Linear(2 * dim, dim, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.o(jnp.tanh(self.q(x)))
+    return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class TinyLM(nnx.Module):
+  """Embedding, `num_layers` blocks created with nnx.vmap and run with nnx.scan (optionally
+  under nnx.remat), and an LM head."""
+
+  def __init__(self, rngs, dim=16, vocab=40, num_layers=3, remat=False):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(rngs):
+      return Block(dim, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.lm_head = nnx.Linear(dim, vocab, rngs=rngs)
+    self.remat = remat
+
+  def __call__(self, ids):
+    def step(x, block):
+      return block(x)
+
+    step = nnx.remat(step) if self.remat else step
+    x = nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(self.embed(ids), self.blocks)
+    return self.lm_head(x)
+
+
+def _batch(seed, batch=3, length=10, vocab=40):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(2, length, size=batch)
+  mask = np.arange(length)[None] < lengths[:, None]
+  return jnp.asarray(rng.integers(0, vocab, (batch, length)) * mask), mask
+
+
+def _masked_loss(model, ids, mask, sebp_kwargs=None):
+  """Squared logits summed over real tokens: dY rows of padding are exactly zero."""
+  if sebp_kwargs is None:
+    logits = model(ids)
+  else:
+    with sebp_nnx.use_sebp(model, **sebp_kwargs):
+      logits = model(ids)
+  return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2) / 100
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("shared_index", [False, True])
+@pytest.mark.parametrize("top_n", ["auto", 12])
+def test_gradients_equal_nnx_grad_under_jit_scan_and_remat(remat, shared_index, top_n):
+  model = TinyLM(nnx.Rngs(0), remat=remat)
+  ids, mask = _batch(1)
+  kwargs = dict(top_n=top_n, lm_head=True, backend="xla",
+                active_mask=mask if shared_index else None)
+  want = _grads(model, _masked_loss, ids, mask)
+  got = nnx.jit(lambda m: _grads(m, _masked_loss, ids, mask, kwargs))(model)
+  assert_every_gradient_close(got, want)
+
+
+def test_the_model_is_exactly_as_it_was_afterwards():
+  model = TinyLM(nnx.Rngs(0))
+  ids, mask = _batch(2)
+  graphdef, state = nnx.split(model)
+  variables = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Variable)}
+  classes = {path: type(node) for path, node in nnx.iter_modules(model)}
+  with sebp_nnx.use_sebp(model, active_mask=mask, lm_head=True, backend="xla") as report:
+    assert type(model.lm_head).__name__ == "SEBPSwappedLinear"
+    assert isinstance(model.lm_head, nnx.Linear)
+    model(ids)
+  assert nnx.graphdef(model) == graphdef
+  assert {path: type(node) for path, node in nnx.iter_modules(model)} == classes
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, nnx.Variable):
+      assert var is variables[path]
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)
+  assert report.swapped == ["blocks/down", "blocks/o", "blocks/q", "blocks/up", "lm_head"]
+  assert report.embeddings == ["embed"]
+  assert sorted(report.shared_index) == sorted(report.swapped + report.embeddings)
+  # Also when the model's forward raises.
+  with pytest.raises(ZeroDivisionError):
+    with sebp_nnx.use_sebp(model):
+      raise ZeroDivisionError
+  assert nnx.graphdef(model) == graphdef
+
+
+def test_the_default_leaves_the_lm_head_dense_and_exclude_picks_layers():
+  model = TinyLM(nnx.Rngs(0))
+  ids, _ = _batch(3)
+  with sebp_nnx.use_sebp(model, exclude=r"(^|/)(up|lm_head)$", embeddings=False) as report:
+    model(ids)
+  assert report.swapped == ["blocks/down", "blocks/o", "blocks/q"]
+  assert report.skipped == {"blocks/up": "matched by exclude", "lm_head": "matched by exclude"}
+  assert report.embeddings == []
+  with sebp_nnx.use_sebp(model) as report:
+    model(ids)
+  assert report.skipped == {"lm_head": "matched by exclude"}
+
+
+def test_entered_outside_nnx_jit_it_compiles_per_mask_and_options():
+  model = TinyLM(nnx.Rngs(4))
+  ids, mask = _batch(4)
+  traces = []
+
+  @nnx.jit
+  def grads(model, ids, mask):
+    traces.append(1)
+    return _grads(model, _masked_loss, ids, mask)
+
+  want = grads(model, ids, mask)
+  for _ in range(2):  # The second time from the cache: same classes, options and mask.
+    with sebp_nnx.use_sebp(model, active_mask=mask, backend="xla"):
+      got = grads(model, ids, mask)
+    assert_every_gradient_close(got, want)
+  assert len(traces) == 2
+  # Another mask: a new program, not the first one's index.
+  other = mask.copy()
+  other[0, :] = True
+  with sebp_nnx.use_sebp(model, active_mask=other, backend="xla"):
+    got = grads(model, ids, other)
+  assert_every_gradient_close(got, _grads(model, _masked_loss, ids, other))
+  assert len(traces) == 3
+  # The dense program again after the context: the cached dense one.
+  grads(model, ids, mask)
+  assert len(traces) == 3
+
+
+def test_a_registered_einsum_layer_of_another_library():
+  class LibraryEinsum(nnx.Module):  # as in Tunix: its own einsum layer, weight `w`
+    def __init__(self, spec, shape, rngs):
+      self.spec = spec
+      self.w = nnx.Param(jax.random.normal(rngs.params(), shape))
+
+    def __call__(self, x):
+      return jnp.einsum(self.spec, x, self.w[...])
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(40, 8, rngs=rngs)
+      self.proj = LibraryEinsum("BTD,DNH->BTNH", (8, 2, 4), rngs)
+      self.out = LibraryEinsum("BTNH,NHV->BTV", (2, 4, 40), rngs)
+
+    def __call__(self, ids):
+      return self.out(jnp.tanh(self.proj(self.embed(ids))))
+
+  model = Model(nnx.Rngs(5))
+  ids, mask = _batch(5)
+  with sebp_nnx.use_sebp(model, embeddings=False, require_swaps=False) as report:
+    model(ids)
+  assert report.swapped == []
+  sebp_nnx.register_einsum(LibraryEinsum, kernel="w", einsum_str="spec")
+  want = _grads(model, _masked_loss, ids, mask)
+  got = _grads(model, _masked_loss, ids, mask, dict(active_mask=mask, backend="xla"))
+  assert_every_gradient_close(got, want)
+  with sebp_nnx.use_sebp(model, active_mask=mask) as report:
+    model(ids)
+  assert report.swapped == ["out", "proj"]
+  with pytest.raises(ValueError, match="nnx.Module subclass"):
+    sebp_nnx.register_einsum(int)
+
+
+def test_layers_it_cannot_run_stay_dense_with_the_reason():
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.custom = nnx.Linear(8, 8, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
+                               rngs=rngs)
+      self.transposed = nnx.Einsum("BTD,DH->BHT", (8, 4), rngs=rngs)
+      self.plain = nnx.Linear(8, 8, rngs=rngs)
+      self.sharded = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+      y = self.plain(self.custom(x))
+      return self.sharded(y, out_sharding=None) + jnp.sum(self.transposed(x))
+
+  model = Model(nnx.Rngs(0))
+  x = jnp.ones((2, 3, 8))
+  with sebp_nnx.use_sebp(model) as report:
+    model(x)
+  assert report.skipped["custom"] == "custom dot_general (e.g. fp8/quantized)"
+  assert "not a linear map of rows" in report.skipped["transposed"]
+  assert report.swapped == ["plain", "sharded"]
+
+
+def test_bad_use_is_loud():
+  model = TinyLM(nnx.Rngs(0))
+  ids, mask = _batch(6)
+  with pytest.raises(ValueError, match="nnx.Module"):
+    sebp_nnx.use_sebp({"params": 1})
+  with pytest.raises(RuntimeError, match="no linear layer to swap"):
+    with sebp_nnx.use_sebp(model, include="no_such_layer"):
+      pass
+  assert nnx.graphdef(model) == nnx.graphdef(TinyLM(nnx.Rngs(0)))
+  with pytest.raises(RuntimeError, match="do not nest"):
+    with sebp_nnx.use_sebp(model):
+      with linen_use_sebp():
+        pass
+  with pytest.raises(RuntimeError, match="matched no layer"):
+    with sebp_nnx.use_sebp(model, active_mask=mask.T):
+      model(ids)
+  with sebp_nnx.use_sebp(model):
+    kept = nnx.merge(*nnx.split(model.blocks))  # a copy of swapped layers, kept past it
+  with pytest.raises(RuntimeError, match="outside that context"):
+    nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+        jnp.ones((3, 10, 16)), kept)
+
+
+def test_overflow_and_the_row_log():
+  model = TinyLM(nnx.Rngs(7))
+  ids, mask = _batch(7)
+  num_real = int(mask.sum())
+  log = RowLog()
+  with pytest.raises(ValueError, match="more than top_n"):
+    with sebp_nnx.use_sebp(model, top_n=num_real - 1, overflow="nan", active_mask=mask):
+      pass
+  want = _grads(model, _masked_loss, ids, mask)
+  got = _grads(model, _masked_loss, ids, mask,
+               dict(top_n=num_real - 1, active_mask=jnp.asarray(mask), backend="xla",
+                    row_log=log))
+  # Exact by default whatever top_n.
+  assert_every_gradient_close(got, want)
+  jax.block_until_ready(got)
+  layers = {record["layer"] for record in log.records}
+  assert layers == {"blocks/down", "blocks/o", "blocks/q", "blocks/up", "embed"}
+  assert all(record["active"] == num_real for record in log.records)
+  nan = nnx.jit(lambda m, mask: _grads(m, _masked_loss, ids, mask, dict(
+      top_n=num_real - 1, overflow="nan", active_mask=mask, backend="xla")))(model, mask)
+  assert np.isnan(nan["blocks"]["up"]["kernel"][...]).all()
+
+
+def _primitive_counts(closed_jaxpr) -> collections.Counter:
+  counts = collections.Counter()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(closed_jaxpr.jaxpr)
+  return counts
+
+
+def test_the_nnx_path_traces_the_program_of_the_linen_path():
+  """The same model in Linen (nn.Embed, nn.Dense, intercepted) and NNX (nnx.Embed,
+  nnx.Linear, swapped): gradients with the same primitives, so the NNX path costs what the
+  Linen one does."""
+  ids, mask = _batch(8)
+
+  class LinenModel(linen.Module):
+    @linen.compact
+    def __call__(self, ids):
+      h = jnp.tanh(linen.Dense(12)(linen.Embed(40, 16)(ids)))
+      return linen.Dense(4)(h)
+
+  class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+      self.embed, self.up = nnx.Embed(40, 16, rngs=rngs), nnx.Linear(16, 12, rngs=rngs)
+      self.down = nnx.Linear(12, 4, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.down(jnp.tanh(self.up(self.embed(ids))))
+
+  params = LinenModel().init(jax.random.key(0), ids)
+  graphdef, state = nnx.split(NNXModel(nnx.Rngs(0)))
+
+  def linen_loss(params):
+    with linen_use_sebp(active_mask=mask, backend="xla"):
+      return jnp.sum(LinenModel().apply(params, ids) ** 2)
+
+  def nnx_loss(state):
+    model = nnx.merge(graphdef, state)
+    with sebp_nnx.use_sebp(model, active_mask=mask, backend="xla"):
+      return jnp.sum(model(ids) ** 2)
+
+  def dense_loss(params):
+    return jnp.sum(LinenModel().apply(params, ids) ** 2)
+
+  linen_counts = _primitive_counts(jax.make_jaxpr(jax.grad(linen_loss))(params))
+  nnx_counts = _primitive_counts(jax.make_jaxpr(jax.grad(nnx_loss))(state))
+  assert linen_counts != _primitive_counts(jax.make_jaxpr(jax.grad(dense_loss))(params))
+  assert nnx_counts == linen_counts

@@ -1,0 +1,95 @@
+"""`sebp_jax.nnx.use_sebp` on a model nobody here wrote: Tunix's NNX Llama 3 (its own einsum
+attention projections, nnx.Linear MLP, nnx.remat of its blocks), gradients equal `nnx.grad`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from examples.pretrained import tunix_llama3, tunix_logits
+from sebp_jax import nnx as sebp_nnx
+from sebp_jax.losses import masked_causal_lm_loss
+from tests.model_testing import assert_every_gradient_close
+
+llama3 = tunix_llama3()
+
+
+def _tiny_llama(weight_tying: bool, remat: str):
+  config = llama3.ModelConfig(
+      num_layers=2, vocab_size=96, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+      num_kv_heads=2, rope_theta=10000, norm_eps=1e-5, weight_tying=weight_tying,
+      remat_config=llama3.RematConfig[remat])
+  model = llama3.Llama3(config, rngs=nnx.Rngs(0))
+  # Tunix initialises its MLP kernels to zero (weights are meant to be loaded): random ones,
+  # so that every layer's dY is non-zero.
+  state = nnx.state(model, nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(state))))
+  nnx.update(model, jax.tree.map(
+      lambda p: 0.2 * jax.random.normal(next(keys), p.shape, p.dtype), state))
+  return model
+
+
+def _batch(seed, batch=3, length=12, vocab=96):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(3, length, size=batch)
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+  return rng.integers(1, vocab, (batch, length)).astype(np.int32) * mask, mask
+
+
+def _loss(model, ids, mask, sebp_kwargs=None):
+  if sebp_kwargs is None:
+    logits = tunix_logits(model, ids, mask)
+  else:
+    with sebp_nnx.use_sebp(model, **sebp_kwargs):
+      logits = tunix_logits(model, ids, mask)
+  return masked_causal_lm_loss(logits, ids, mask)
+
+
+@pytest.mark.parametrize("weight_tying,remat", [(False, "NONE"), (True, "BLOCK"),
+                                                (False, "DECODER")])
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_tunix_llama_gradients_equal_nnx_grad(weight_tying, remat, shared_index):
+  model = _tiny_llama(weight_tying, remat)
+  ids, mask = _batch(0)
+  kwargs = dict(top_n=int(mask.sum()), lm_head=True, backend="xla",
+                active_mask=mask if shared_index else None)
+  grads = lambda m, *a: nnx.state(nnx.grad(_loss)(m, *a), nnx.Param)
+  want = grads(model, ids, mask)
+  got = nnx.jit(lambda m: grads(m, ids, mask, kwargs))(model)
+  assert_every_gradient_close(got, want)
+
+
+def test_every_projection_of_the_tunix_llama_is_swapped():
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(1)
+  graphdef = nnx.graphdef(model)
+  with sebp_nnx.use_sebp(model, active_mask=mask, lm_head=True) as report:
+    tunix_logits(model, ids, mask)
+  projections = [f"layers/{i}/{block}/{name}" for i in range(2) for block, names in (
+      ("attn", ("k_proj", "o_proj", "q_proj", "v_proj")),
+      ("mlp", ("down_proj", "gate_proj", "up_proj"))) for name in names]
+  assert report.swapped == projections + ["lm_head"]
+  assert sorted(report.shared_index) == sorted(report.swapped)
+  assert report.skipped == {}
+  assert nnx.graphdef(model) == graphdef
+  with sebp_nnx.use_sebp(model) as report:  # the default leaves the LM head dense
+    tunix_logits(model, ids, mask)
+  assert report.skipped == {"lm_head": "matched by exclude"}
+
+
+def test_a_dropped_row_changes_the_gradient():
+  # The rows of padding, and of each sequence's last token (it predicts nothing), are exactly
+  # zero: one row fewer than the others must cost something.
+  model = _tiny_llama(weight_tying=True, remat="NONE")
+  ids, mask = _batch(2)
+  nonzero_rows = int(mask.sum()) - len(ids)
+  want = nnx.grad(_loss)(model, ids, mask)
+  same = nnx.grad(_loss)(model, ids, mask, dict(top_n=nonzero_rows, overflow="drop",
+                                                backend="xla", active_mask=mask))
+  assert_every_gradient_close(nnx.state(same, nnx.Param), nnx.state(want, nnx.Param))
+  fewer = nnx.grad(_loss)(model, ids, mask, dict(top_n=nonzero_rows - 1, overflow="drop",
+                                                 backend="xla", active_mask=mask))
+  kernel = lambda g: np.asarray(g.layers[0].mlp.up_proj.kernel[...])
+  assert not np.allclose(kernel(fewer), kernel(want), rtol=1e-4)
+  assert jnp.isfinite(kernel(fewer)).all()
