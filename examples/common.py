@@ -173,3 +173,25 @@ def save_run(out: pathlib.Path, summary: dict, labels: dict[str, str], title: st
   (out / "summary.json").write_text(json.dumps(summary, indent=2))
   plot_loss_curves(summary["losses"], labels, title, out / "loss_curves.png")
   print(f"wrote {out / 'summary.json'} and {out / 'loss_curves.png'}")
+
+
+def finish_run(args: argparse.Namespace, loss_fns: dict[str, LossFn], params, batch: dict,
+               losses: dict[str, list[float]], row_log: RowLog | None, fields: dict,
+               labels: dict[str, str], title: str) -> dict:
+  """What every example does after its runs: times ``loss_fns`` (dense and SEBP, without the
+  row log: its callbacks are host round trips) side by side on ``batch``, prints the largest
+  loss difference and the row log, and writes ``summary.json`` (``fields``, then the figures
+  every example reports) and the plot, titled ``title`` formatted with ``gradient``, the
+  gradient speedup. Returns the summary."""
+  timings = time_forward_backward(loss_fns, params, batch, args.timing_repeats)
+  ratios = speedups(timings, args.timing_repeats)
+  summary = {
+      **fields, "steps": len(losses["dense"]), "batch_size": args.batch_size,
+      "max_length": args.max_length, "learning_rate": args.learning_rate, "seed": args.seed,
+      "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+      "backward_speedup": ratios["backward"], "gradient_speedup": ratios["forward_backward"],
+      "timings": timings, "max_loss_difference": max_loss_difference(losses),
+      "row_log": print_row_log(row_log), "losses": losses,
+  }
+  save_run(args.out, summary, labels, title.format(gradient=ratios["forward_backward"]))
+  return summary

@@ -26,8 +26,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import (fit, max_loss_difference, parse_training_args, print_row_log,
-                             save_run, sebp_context, speedups, time_forward_backward)
+from examples.common import finish_run, fit, parse_training_args, sebp_context
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -121,30 +120,17 @@ def main(argv=None) -> dict:
     print(f"{mode}: final loss (mean of last 10) {np.mean(losses[-10:]):.4f}, "
           f"dev accuracy {dev_accuracy:.2%}")
 
-  # Timed without the row log: its callbacks are host round trips.
-  timings = time_forward_backward(losses_of(None), initial_params, train_batches[0],
-                                  args.timing_repeats)
-  ratios = speedups(timings, args.timing_repeats)
-  loss_difference = max_loss_difference({mode: results[mode]["losses"] for mode in MODES})
-  row_table = print_row_log(row_log)
-
-  summary = {
-      "model": "all-MiniLM-L6-v2", "task": "SST-2", "steps": len(train_batches),
-      "batch_size": args.batch_size, "max_length": args.max_length, "sebp_top_n": top_n,
-      "kept_fraction": top_n / rows, "packed": args.packed, "learning_rate": args.learning_rate, "seed": args.seed,
-      "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-      "backward_speedup": ratios["backward"],
-      "gradient_speedup": ratios["forward_backward"], "timings": timings,
-      "max_loss_difference": loss_difference, "row_log": row_table,
+  fields = {
+      "model": "all-MiniLM-L6-v2", "task": "SST-2", "sebp_top_n": top_n,
+      "kept_fraction": top_n / rows, "packed": args.packed,
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
-      "losses": {mode: results[mode]["losses"] for mode in MODES},
   }
-  save_run(args.out, summary,
-           {m: f"{m} (dev acc {summary[f'{m}_dev_accuracy']:.1%})" for m in MODES},
-           f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; SEBP"
-           f"{' packed' if args.packed else ''}: gradient {ratios['forward_backward']:.2f}x faster")
-  return summary
+  return finish_run(args, losses_of(None), initial_params, train_batches[0],
+                    {mode: results[mode]["losses"] for mode in MODES}, row_log, fields,
+                    {m: f"{m} (dev acc {results[m]['dev_accuracy']:.1%})" for m in MODES},
+                    f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; SEBP"
+                    f"{' packed' if args.packed else ''}: gradient {{gradient:.2f}}x faster")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import numpy as np
 import optax
 
-from examples.common import (fit, max_loss_difference, parse_training_args, print_row_log,
-                             save_run, sebp_context, speedups, time_forward_backward)
+from examples.common import finish_run, fit, parse_training_args, sebp_context
 from examples.datasets import batches, encode_fixed_length, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog
@@ -101,27 +99,13 @@ def main(argv=None) -> dict:
     print(f"{mode}: loss {losses[mode][0]:.4f} -> {np.mean(losses[mode][-5:]):.4f} "
           "(first step -> mean of last 5)")
 
-  # Timed without the row log: its callbacks are host round trips.
-  timings = time_forward_backward(losses_of(None), initial_params, train_batches[0],
-                                  args.timing_repeats)
-  ratios = speedups(timings, args.timing_repeats)
-  loss_difference = max_loss_difference(losses)
-  row_table = print_row_log(row_log)
-
-  summary = {
-      "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)", "data": "WikiText-2 valid",
-      "steps": len(train_batches), "batch_size": args.batch_size, "max_length": args.max_length,
-      "sebp_top_n": top_n, "kept_fraction": top_n / rows, "sebp_lm_head": args.lm_head, "packed": args.packed,
-      "learning_rate": args.learning_rate,
-      "seed": args.seed, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-      "backward_speedup": ratios["backward"],
-      "gradient_speedup": ratios["forward_backward"], "timings": timings,
-      "max_loss_difference": loss_difference, "row_log": row_table, "losses": losses,
-  }
-  save_run(args.out, summary, {m: m for m in MODES},
-           f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; SEBP"
-           f"{' packed' if args.packed else ''}: gradient {ratios['forward_backward']:.2f}x faster")
-  return summary
+  fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+            "data": "WikiText-2 valid", "sebp_top_n": top_n, "kept_fraction": top_n / rows,
+            "sebp_lm_head": args.lm_head, "packed": args.packed}
+  return finish_run(args, losses_of(None), initial_params, train_batches[0], losses, row_log,
+                    fields, {m: m for m in MODES},
+                    f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
+                    f"SEBP{' packed' if args.packed else ''}: gradient {{gradient:.2f}}x faster")
 
 
 if __name__ == "__main__":

@@ -22,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
 
-from examples.common import (max_loss_difference, parse_training_args, print_row_log, save_run,
-                             speedups, time_forward_backward)
+from examples.common import finish_run, parse_training_args
 from examples.finetune_llama import load_train_batches
 from examples.pretrained import load_smollm2_nnx, tunix_logits
 from sebp_jax import RowLog
@@ -101,30 +99,16 @@ def main(argv=None) -> dict:
     print(f"{mode}: loss {losses[mode][0]:.4f} -> {np.mean(losses[mode][-5:]):.4f} "
           "(first step -> mean of last 5)")
 
-  # The same losses as functions of the weights, for the side-by-side timing (no row log:
-  # its callbacks are host round trips).
+  # The same losses as functions of the weights, for the side-by-side timing.
   graphdef, params, rest = nnx.split(initial, nnx.Param, ...)
   loss_fns = {mode: (lambda params, batch, top_n=top_n if mode == "sebp" else None: loss_of(
       nnx.merge(graphdef, params, rest), batch, top_n)) for mode in MODES}
-  timings = time_forward_backward(loss_fns, params, train_batches[0], args.timing_repeats)
-  ratios = speedups(timings, args.timing_repeats)
-  loss_difference = max_loss_difference(losses)
-  row_table = print_row_log(row_log)
-
-  summary = {
-      "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized) in Tunix's NNX Llama 3",
-      "data": "WikiText-2 valid", "steps": len(train_batches), "batch_size": args.batch_size,
-      "max_length": args.max_length, "sebp_top_n": top_n, "kept_fraction": top_n / rows,
-      "learning_rate": args.learning_rate, "seed": args.seed,
-      "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-      "backward_speedup": ratios["backward"], "gradient_speedup": ratios["forward_backward"],
-      "timings": timings, "max_loss_difference": loss_difference, "row_log": row_table,
-      "losses": losses,
-  }
-  save_run(args.out, summary, {m: m for m in MODES},
-           f"SmolLM2-135M (NNX, Tunix) on WikiText-2, {args.batch_size}x{args.max_length} "
-           f"padded; SEBP gradient {ratios['forward_backward']:.2f}x faster")
-  return summary
+  fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized) in Tunix's NNX Llama 3",
+            "data": "WikiText-2 valid", "sebp_top_n": top_n, "kept_fraction": top_n / rows}
+  return finish_run(args, loss_fns, params, train_batches[0], losses, row_log, fields,
+                    {m: m for m in MODES},
+                    f"SmolLM2-135M (NNX, Tunix) on WikiText-2, {args.batch_size}x"
+                    f"{args.max_length} padded; SEBP gradient {{gradient:.2f}}x faster")
 
 
 if __name__ == "__main__":

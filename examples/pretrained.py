@@ -453,6 +453,6 @@ def load_smollm2_nnx(param_dtype=jnp.float32):
   if not config.tie_word_embeddings:
     weights["lm_head"] = {"w": flat[("lm_head", "kernel")]}
   state = nnx.state(model, nnx.Param)
-  state.replace_by_pure_dict(jax.tree.map(lambda a: jnp.asarray(a, param_dtype), weights))
+  nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, param_dtype), weights))
   nnx.update(model, state)
   return model, _smollm2_tokenizer(reader)

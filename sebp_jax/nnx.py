@@ -157,7 +157,9 @@ class SEBPLinear(nnx.Linear):
   Same constructor, Variables (``kernel``, ``bias``) and forward as ``nnx.Linear``, plus the
   keyword options of :class:`sebp_jax.SEBPDense`: ``top_n`` (``"auto"``, an int, or a kept
   fraction in (0, 1]), ``threshold``, ``overflow``, ``backend`` and ``row_log``. Rows are
-  counted over all leading dims of the input.
+  counted over all leading dims of the input. An NNX layer does not know its path, so its
+  ``row_log`` records are named by its class; ``use_sebp(model, row_log=...)`` names them by
+  path.
   """
 
   def __init__(self, in_features: int, out_features: int, *, top_n: int | float | str = "auto",

@@ -83,6 +83,18 @@ def test_sebp_embed_is_a_drop_in_with_the_reference_backward():
     sebp(jnp.ones((2,), jnp.float32))
 
 
+def test_the_layers_log_their_rows_under_nnx_jit():
+  log = RowLog()
+  layer = sebp_nnx.SEBPLinear(8, 4, top_n=16, backend="xla", row_log=log, rngs=nnx.Rngs(0))
+  embed = sebp_nnx.SEBPEmbed(20, 8, top_n=16, row_log=log, rngs=nnx.Rngs(1))
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, 20, (2, 12)))
+  loss = lambda layer, embed: jnp.sum(layer(embed(ids))[:, :5] ** 2)
+  nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, embed)
+  jax.effects_barrier()
+  assert [(r["layer"], r["active"], r["kept"]) for r in log.records] == [
+      ("SEBPLinear", 10, 10), ("SEBPEmbed", 10, 10)]
+
+
 def test_layer_options_are_checked():
   with pytest.raises(ValueError, match="overflow"):
     sebp_nnx.SEBPLinear(4, 4, overflow="clip", rngs=nnx.Rngs(0))
