@@ -326,8 +326,9 @@ class use_sebp(SEBPContext):
     self._swapped: list[tuple[nnx.Module, type]] = []
 
   def _layer_kind(self, module: nnx.Module) -> tuple[str, Any] | None:
-    """``(kind, row_map or EinsumLayer)`` of a layer this context could swap; a str reason
-    in place of the detail when it must stay dense; None for other modules."""
+    """``(kind, detail)`` of a layer this context could swap, ``detail`` being None, an
+    einsum's ``(row map, EinsumLayer)``, or the reason it must stay dense; None for other
+    modules."""
     cls = type(module)
     if cls in _SWAPPED_CLASSES.values():
       return None
