@@ -40,6 +40,7 @@ for step in $steps; do
         tests/test_implementations.py tests/test_backward.py tests/test_cost_model.py \
         tests/test_ops.py tests/test_ops_embed.py tests/test_layers.py tests/test_intercept.py \
         tests/test_packing.py tests/test_model_families.py tests/test_losses.py \
+        tests/test_sharding.py \
         2>&1 | tee "$out/tests.log" | tail -25 || status=1 ;;
     tune)
       timeout 300 python3 -m benchmarks.tune_blocks --out "$out/tune.jsonl" ${TUNE_ARGS:-} \

@@ -7,6 +7,12 @@ run, for each mode: forward, backward (forward + backward minus forward) and a w
 step (median of ``--repeats``), and the peak device memory of the compiled step (XLA's memory
 analysis: arguments + outputs + temporaries - aliased).
 
+With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
+of ``Auto`` type; ``--fsdp`` splits the weight matrices too): every device gets the setup's
+batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
+tokens, and each record carries the compiled step's collectives and its weak-scaling
+efficiency (one device's step time over this one's). Packing is left out there.
+
 Modes:
   dense          fixed padding, dense backward
   dense_fast_attention  fixed padding, dense, the attention core replaced by a length-aware
@@ -42,6 +48,7 @@ Modes:
     python -m benchmarks.model --model llama --out llama.jsonl
     python -m benchmarks.model --model llama --model llama_nnx --modes dense,sebp_shared,bound
     python -m benchmarks.model --model bert --tiny     # a CPU smoke run at toy sizes
+    python -m benchmarks.model --model bert --devices 1,2 --modes dense,sebp_shared,bound
 
 The NNX model runs the modes of :data:`NNX_MODES` (no packing) in bfloat16. Tunix's Llama
 computes in its weights' dtype: ``llama_nnx`` keeps float32 weights and casts them in the loss
@@ -67,14 +74,17 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from benchmarks.harness import append_json_lines, median_ms, parse_subset, record
+from benchmarks.harness import (append_json_lines, median_ms, parse_positive_ints, parse_subset,
+                                record)
 from sebp_jax import model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import masked_causal_lm_loss
 from sebp_jax.packing import fused_attention_implementation, token_capacity
+from sebp_jax.sharding import collective_bytes, collective_counts, shard_row_counts
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
@@ -183,8 +193,13 @@ def build_model(kind: str, tiny: bool, dtype):
   return FlaxLlamaForCausalLM(config, seed=0, dtype=dtype)
 
 
-def make_batch(kind: str, model, setup: Setup, seed: int) -> dict[str, np.ndarray]:
-  """Random tokens with real lengths (drawn from the lengths file), right-padded to the length."""
+def make_batch(kind: str, model, setup: Setup, seed: int, shards: int = 1) -> dict[str, np.ndarray]:
+  """Random tokens with real lengths (drawn from the lengths file), right-padded to the length;
+  with ``shards``, one such batch per shard (seeds ``seed``, ``seed + 1``, ...), stacked, so
+  that the first shard's is the one-device batch."""
+  if shards > 1:
+    parts = [make_batch(kind, model, setup, seed + shard) for shard in range(shards)]
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
   rng = np.random.default_rng(seed)
   lengths = np.asarray(json.loads((LENGTHS_DIR / setup.lengths_file).read_text())["lengths"])
   lengths = np.minimum(rng.choice(lengths, setup.batch_size), setup.length)
@@ -277,8 +292,15 @@ class NNXBound(sebp_nnx.use_sebp):
     return _without_backward_matmuls(inputs, y)
 
 
-def sebp_options(mode: str, mask, top_n: int, backend: str, host_mask) -> dict | None:
-  """The ``use_sebp`` options of an SEBP mode, Linen and NNX alike; None for other modes."""
+def sebp_options(mode: str, mask, top_n: int, backend: str, host_mask,
+                 sharding: dict) -> dict | None:
+  """The ``use_sebp`` options of an SEBP mode, Linen and NNX alike (with ``sharding``: the
+  batch axes and mesh of a data-parallel run); None for other modes."""
+  options = _mode_options(mode, mask, top_n, backend, host_mask)
+  return None if options is None else {**options, **sharding}
+
+
+def _mode_options(mode: str, mask, top_n: int, backend: str, host_mask) -> dict | None:
   if mode in ("sebp_shared", "sebp_floor", "sebp_dense_only", "sebp_lm_head"):
     return dict(top_n=FLOOR_ROWS if mode == "sebp_floor" else top_n, overflow="nan",
                 backend=backend, active_mask=mask, embeddings=mode != "sebp_dense_only",
@@ -295,17 +317,20 @@ def sebp_options(mode: str, mask, top_n: int, backend: str, host_mask) -> dict |
 
 
 def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
-              capacity: int | None = None, host_mask: np.ndarray | None = None):
-  """The loss of ``mode``; ``top_n`` (real tokens) for SEBP, ``capacity`` (at least the real
-  tokens) for packing, ``host_mask`` (the batch's mask as a host array) for
-  ``sebp_auto_host``."""
+              capacity: int | None = None, host_mask: np.ndarray | None = None,
+              sharding: dict | None = None):
+  """The loss of ``mode``; ``top_n`` (real tokens, of the fullest shard) for SEBP,
+  ``capacity`` (at least the real tokens) for packing, ``host_mask`` (the batch's mask as a
+  host array) for ``sebp_auto_host``, ``sharding`` (``batch_axes`` and ``mesh``) for a batch
+  split over devices."""
   mode = mode.removeprefix(LONGEST)
+  sharding = sharding or {}
   if SETUPS[kind].nnx:
-    return make_nnx_loss(model, mode, top_n, backend, host_mask)
+    return make_nnx_loss(model, mode, top_n, backend, host_mask, sharding)
 
   def context(batch):
     mask = batch["attention_mask"]
-    options = sebp_options(mode, mask, top_n, backend, host_mask)
+    options = sebp_options(mode, mask, top_n, backend, host_mask, sharding)
     if options is not None:
       return use_sebp(**options)
     if mode == "sebp_packed":
@@ -317,7 +342,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
       stack.enter_context(linear_backward_removed(lm_head=mode == "bound_lm_head"))
       # The embeddings as SEBP runs them (no Dense layer matches the include pattern).
       stack.enter_context(use_sebp(top_n=top_n, overflow="nan", active_mask=mask,
-                                   include=r"(?!)", require_swaps=False))
+                                   include=r"(?!)", require_swaps=False, **sharding))
       return stack
     return contextlib.nullcontext()
 
@@ -333,7 +358,8 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
   return loss_fn
 
 
-def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mask):
+def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mask,
+                  sharding: dict):
   """The loss of ``mode`` (one of :data:`NNX_MODES`) of the NNX Llama, a function of its
   params, computed in bfloat16."""
   from examples.pretrained import tunix_logits
@@ -341,10 +367,10 @@ def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mas
   def loss_fn(params, batch):
     module = model.merge(params, jnp.bfloat16)
     mask = batch["attention_mask"]
-    options = sebp_options(mode, mask, top_n, backend, host_mask)
+    options = sebp_options(mode, mask, top_n, backend, host_mask, sharding)
     if mode == "bound":
       context = NNXBound(module, top_n=top_n, overflow="nan", active_mask=mask,
-                         require_swaps=False)
+                         require_swaps=False, **sharding)
     elif options is not None:
       context = sebp_nnx.use_sebp(module, **options)
     else:
@@ -363,26 +389,65 @@ def peak_bytes(compiled) -> int | None:
              + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
 
 
-def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None):
+def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
+  """A mesh of the first ``devices`` devices on one ``Auto`` axis, ``"data"``; None for one."""
+  if devices == 1:
+    return None
+  if devices > len(jax.devices()):
+    raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices here")
+  return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:devices])
+
+
+def param_shardings(params, mesh, fsdp: bool):
+  """Replicated params (data parallel), or with ``fsdp`` each matrix split along its first
+  dimension over ``"data"`` where the devices divide it."""
+  def spec(param):
+    split = fsdp and param.ndim >= 2 and param.shape[0] % mesh.shape["data"] == 0
+    return NamedSharding(mesh, P("data") if split else P())
+  return jax.tree.map(spec, params)
+
+
+def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
+        devices: int = 1, fsdp: bool = False, baseline=()):
   """Measures each mode in turn, appending its record to ``out`` as soon as it is taken (with
-  its ratios to dense, when dense ran first), so that an interrupted run keeps them."""
+  its ratios to dense, when dense ran first), so that an interrupted run keeps them.
+
+  With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
+  the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
+  ``fsdp``); a record of ``baseline`` (one device, same mode) gives the weak-scaling
+  efficiency, one device's step time over this one's."""
   setup = setup_for(kind, tiny)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
-  batch = make_batch(kind, model, setup, seed)
-  top_n = int(batch["attention_mask"].sum())
+  batch = make_batch(kind, model, setup, seed, shards=devices)
+  top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
   optimizer = optax.adamw(1e-5)
-  opt_state = optimizer.init(params)
+  mesh = data_parallel_mesh(devices)
+  sharding, put_batch, step_shardings = {}, (lambda b: b), None
+  if mesh is not None:
+    sharding = dict(batch_axes="data", mesh=mesh)
+    params = jax.device_put(params, param_shardings(params, mesh, fsdp))
+    put_batch = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
+    # Packing runs on one device's batch; sharded batches select per shard instead.
+    modes = [m for m in modes if not m.endswith("sebp_packed")]
+  opt_state = jax.jit(optimizer.init)(params)
+  if mesh is not None:
+    # The optimizer's step count, made on one device, replicated like the params.
+    opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == devices
+                             else jax.device_put(a, NamedSharding(mesh, P())), opt_state)
+    step_shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
   if not setup.has_lm_head:
     modes = [m for m in modes if m not in LM_HEAD_MODES]
   if setup.nnx:
     modes = [m for m in modes if m in NNX_MODES]
   rows = []
-  for mode in tqdm(modes, desc=kind, file=sys.stdout):
-    mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
+  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s)", file=sys.stdout):
+    host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
+    mode_batch = put_batch(host_batch)
     loss_fn = make_loss(kind, model, mode, top_n, backend,
-                        token_capacity(mode_batch["attention_mask"]),
-                        host_mask=mode_batch["attention_mask"])
+                        token_capacity(host_batch["attention_mask"]),
+                        host_mask=host_batch["attention_mask"], sharding=sharding)
 
     def step(params, opt_state, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -390,19 +455,26 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
       return optax.apply_updates(params, updates), opt_state
 
     forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
-    compiled_step = jax.jit(step).lower(params, opt_state, mode_batch).compile()
+    compiled_step = jax.jit(step, out_shardings=step_shardings).lower(
+        params, opt_state, mode_batch).compile()
     forward_ms = median_ms(forward, params, mode_batch, repeats=repeats)
     grad_ms = median_ms(grad, params, mode_batch, repeats=repeats)
     step_ms = median_ms(compiled_step, params, opt_state, mode_batch, repeats=repeats)
     rows.append(record(
         model=kind, setup=setup.name, mode=mode, tiny=tiny, batch_size=setup.batch_size,
-        padded_length=mode_batch["input_ids"].shape[1], real_tokens=top_n,
-        rows=int(mode_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
+        padded_length=host_batch["input_ids"].shape[1],
+        real_tokens=int(np.count_nonzero(host_batch["attention_mask"])), top_n=top_n,
+        rows=int(host_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
         backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
         compute_dtype="bfloat16", param_dtype=jnp.dtype(setup.param_dtype).name,
-        repeats=repeats, backend=backend))
+        repeats=repeats, backend=backend, devices=devices, fsdp=fsdp,
+        collectives=collective_counts(compiled_step),
+        collective_bytes=collective_bytes(compiled_step)))
     dense = next((r for r in rows if r["mode"] == "dense"), None)
     row = rows[-1]
+    one_device = next((r for r in baseline if r["model"] == kind and r["mode"] == mode), None)
+    if one_device:
+      row["scaling_efficiency"] = one_device["step_ms"] / row["step_ms"]
     if dense:
       row["backward_speedup_vs_dense"] = dense["backward_ms"] / row["backward_ms"]
       row["grad_speedup_vs_dense"] = dense["grad_ms"] / row["grad_ms"]
@@ -414,17 +486,20 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':14} {'mode':28} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} {'grad ms':>8} "
-            f"{'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x':>6} {'mem/dense':>9}")
+  header = (f"{'model':14} {'mode':28} {'dev':>3} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} "
+            f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x':>6} "
+            f"{'mem/dense':>9} {'scaling':>7}")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['model']:14} {r['mode']:28} {r['padded_length']:5d} {r['forward_ms']:8.2f} "
+    print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['padded_length']:5d} "
+          f"{r['forward_ms']:8.2f} "
           f"{r['backward_ms']:8.2f} {r['grad_ms']:8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('grad_speedup_vs_dense', float('nan')):6.2f} "
           f"{r.get('step_speedup_vs_dense', float('nan')):6.2f} "
-          f"{r.get('peak_memory_vs_dense', float('nan')):9.3f}")
+          f"{r.get('peak_memory_vs_dense', float('nan')):9.3f} "
+          f"{r.get('scaling_efficiency', float('nan')):7.2f}")
 
 
 def main(argv=None) -> list[dict]:
@@ -442,6 +517,11 @@ def main(argv=None) -> list[dict]:
                       help="timed repeats of each measurement; the median is kept")
   parser.add_argument("--seed", type=int, default=0, help="seed of the batch's tokens and lengths")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
+  parser.add_argument("--devices", type=parse_positive_ints, default=[1],
+                      help="comma list of device counts, each a data-parallel run with the "
+                           "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
+  parser.add_argument("--fsdp", action="store_true",
+                      help="on several devices, split the weight matrices over them too")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
@@ -449,7 +529,12 @@ def main(argv=None) -> list[dict]:
     parser.error("--repeats must be positive")
   rows = []
   for kind in args.model or sorted(SETUPS):
-    rows += run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out)
+    one_device = []
+    for devices in args.devices:
+      runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
+                 devices=devices, fsdp=args.fsdp, baseline=one_device)
+      one_device = runs if devices == 1 else one_device
+      rows += runs
   print_table(rows)
   return rows
 

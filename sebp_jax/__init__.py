@@ -7,7 +7,8 @@ Layout: :mod:`~sebp_jax.selection` (which rows) -> :mod:`~sebp_jax.implementatio
 xla, pallas, by name) and :mod:`~sebp_jax.cost_model` (which one) -> :mod:`~sebp_jax.backward`
 (the one entry point) -> :mod:`~sebp_jax.ops` (the custom-VJP ops) -> :mod:`~sebp_jax.layers`
 and :mod:`~sebp_jax.intercept` (Linen), :mod:`~sebp_jax.nnx` (NNX, imported as ``from sebp_jax
-import nnx``), both on :mod:`~sebp_jax.context`. Packing (``use_sebp(packed=True)``): the layout and
+import nnx``), both on :mod:`~sebp_jax.context`; :mod:`~sebp_jax.sharding` for a batch split
+over devices (each shard selects its own rows). Packing (``use_sebp(packed=True)``): the layout and
 per-sequence attention in :mod:`~sebp_jax.packing`, the transformers model families it knows
 in :mod:`~sebp_jax.model_families`; :mod:`~sebp_jax.losses` for losses on real rows.
 """

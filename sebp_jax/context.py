@@ -10,6 +10,7 @@ Linen intercepts methods (:mod:`sebp_jax.intercept`), NNX swaps classes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 import threading
@@ -18,12 +19,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 from sebp_jax.layers import resolve_top_n
 from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow,
                           validate_threshold)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask, capacity_ladder
+from sebp_jax.sharding import (RowSharding, map_row_shards, normalize_batch_axes, row_sharding,
+                               shard_row_counts)
+
+logger = logging.getLogger("sebp_jax")
 
 #: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
 _ACTIVE = threading.local()
@@ -49,7 +55,8 @@ class SEBPReport:
 
   ``swapped`` lists the linear layers, ``embeddings`` the embedding lookups that run with the
   SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the linear
-  layers (and embeddings) left dense, with the reason. With ``packed=True`` (Linen),
+  layers (and embeddings) left dense, with the reason, ``per_shard`` the swapped ones whose
+  rows are split over devices, each shard selecting its own. With ``packed=True`` (Linen),
   ``packed`` lists the modules run on the real tokens only (a model's encoder or decoder
   stack, its language-model head) in ``capacity`` slots; the layers inside them are not listed
   apart.
@@ -58,6 +65,7 @@ class SEBPReport:
   embeddings: list[str] = dataclasses.field(default_factory=list)
   shared_index: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+  per_shard: list[str] = dataclasses.field(default_factory=list)
   packed: list[str] = dataclasses.field(default_factory=list)
   capacity: int | None = None
 
@@ -69,9 +77,14 @@ class SEBPReport:
   def summary(self) -> str:
     packed = (f"{', '.join(self.packed)} packed into {self.capacity} token slots; "
               if self.packed else "")
+    per_shard = f", {len(self.per_shard)} selecting per shard" if self.per_shard else ""
     return (f"use_sebp: {packed}{self.num_swapped} linear layers and {len(self.embeddings)} "
-            f"embeddings swapped ({len(self.shared_index)} on the shared mask index), "
-            f"{len(self.skipped)} left dense")
+            f"embeddings swapped ({len(self.shared_index)} on the shared mask index"
+            f"{per_shard}), {len(self.skipped)} left dense")
+
+
+def _split(sharding: RowSharding | None) -> tuple | None:
+  return None if sharding is None else (sharding.axes, sharding.num_shards)
 
 
 def record(bucket: list[str], path: str) -> None:
@@ -88,7 +101,7 @@ class SEBPContext:
   def __init__(self, top_n: int | float | str, threshold: float, *, overflow: str,
                include: str, exclude: str | None, active_mask: jax.Array | None,
                backend: str, embeddings: bool, lm_head: bool, row_log: RowLog | None,
-               require_swaps: bool):
+               require_swaps: bool, batch_axes: Any = None, mesh: Any = None):
     validate_capacity(resolve_top_n(top_n, 1))  # Now rather than inside a trace.
     self.overflow = validate_overflow(overflow)
     if row_log is not None and not isinstance(row_log, RowLog):
@@ -103,9 +116,14 @@ class SEBPContext:
     self.backend = validate_backend(backend)
     self.embeddings = embeddings
     self.require_swaps = require_swaps
+    self.batch_axes = normalize_batch_axes(batch_axes)
+    self.mesh = mesh
+    if mesh is not None and self.batch_axes is None:
+      raise ValueError("use_sebp(mesh=...) names the mesh of batch_axes: give batch_axes too")
     self.report = SEBPReport()
     self._shared_rows: jax.Array | None = None
     self._shared_top_n: int | str | None = None
+    self._mask_sharding: RowSharding | None = None
 
   @property
   def include_given(self) -> bool:
@@ -118,6 +136,14 @@ class SEBPContext:
       raise RuntimeError(
           "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
           "model call, with the options of all its layers (include/exclude pick layers).")
+    if self.batch_axes is None and self.mesh is None:
+      mesh = jax.sharding.get_abstract_mesh()
+      if any(kind == AxisType.Auto and mesh.shape[name] > 1
+             for name, kind in zip(mesh.axis_names, mesh.axis_types)):
+        logger.warning(
+            "use_sebp under a mesh with Auto axes %s and no batch_axes: the layers select "
+            "rows over the whole batch, which gathers it across devices in every backward. "
+            "Pass batch_axes (the mesh axes that split the batch).", dict(mesh.shape))
     if self.active_mask is not None and jnp.size(self.active_mask) > 0:
       # Computed here, in the trace that entered the context, so that layers traced inside
       # scan / remat close over it instead of leaking an inner tracer out.
@@ -127,17 +153,29 @@ class SEBPContext:
   def deactivate(self) -> None:
     _ACTIVE.context = None
 
+  def sharding_of(self, rows: jax.Array, num_row_dims: int) -> RowSharding | None:
+    """How the rows of ``rows`` (its first ``num_row_dims`` dims) are split over devices."""
+    return row_sharding(rows, num_row_dims, mesh=self.mesh, batch_axes=self.batch_axes)
+
+  @property
+  def sharding_options(self) -> dict[str, Any]:
+    """The options that tell the ops how rows are split."""
+    return dict(batch_axes=self.batch_axes, mesh=self.mesh)
+
   def share_mask_index(self) -> None:
     """The index of ``active_mask``'s tokens that every layer on its rows shares, and the
-    capacity those layers run at."""
-    num_rows = math.prod(jnp.shape(self.active_mask))
+    capacity those layers run at: per shard where the batch is split over devices."""
+    sharding = self.sharding_of(self.active_mask, jnp.ndim(self.active_mask))
+    num_shards = sharding.num_shards if sharding else 1
+    num_rows = math.prod(jnp.shape(self.active_mask)) // num_shards
     top_n = resolve_top_n(self.top_n, num_rows)
     concrete = not isinstance(self.active_mask, jax.core.Tracer)
     if concrete and self.overflow != "drop":
       # Every real token fits: the index is complete, and no layer needs to branch.
-      count = int(np.count_nonzero(np.asarray(self.active_mask)))
+      count = int(shard_row_counts(self.active_mask, num_shards).max())
       if self.overflow == "nan" and top_n != "auto" and count > top_n:
-        raise ValueError(f"active_mask has {count} real tokens, more than top_n={top_n} "
+        where = "a shard of active_mask has" if sharding else "active_mask has"
+        raise ValueError(f"{where} {count} real tokens, more than top_n={top_n} "
                          "(overflow='nan'): give a top_n of at least that")
       if top_n == "auto" or count > top_n:
         top_n = next((rung for rung in capacity_ladder(num_rows) if rung >= count), num_rows)
@@ -146,25 +184,39 @@ class SEBPContext:
       size = min(num_rows, top_n + 1)  # One slot past top_n tells an overflow.
     else:
       size = num_rows  # Every real token: the layers choose their capacity at run time.
-    self._shared_rows = active_rows_from_mask(self.active_mask, size)
+    if sharding is None:
+      self._shared_rows = active_rows_from_mask(self.active_mask, size)
+    else:
+      (self._shared_rows,), () = map_row_shards(
+          lambda rows, whole: ((active_rows_from_mask(rows[0], size),), ()), sharding,
+          rows=(jnp.asarray(self.active_mask),), whole=(), sums_like=())
     self._shared_top_n = top_n
+    self._mask_sharding = sharding
 
-  def rows_to_keep(self, path: str, row_shape) -> tuple[jax.Array | None, Any] | str:
-    """``(active_rows, top_n)`` for a layer whose rows have ``row_shape`` (the leading dims of
-    a linear layer's input, all dims of embedding ids), or why it stays dense.
+  def rows_to_keep(self, path: str, rows: jax.Array,
+                   num_row_dims: int) -> tuple[jax.Array | None, Any] | str:
+    """``(active_rows, top_n)`` for a layer whose rows are the first ``num_row_dims`` dims of
+    ``rows`` (a linear layer's input, or embedding ids), or why it stays dense.
 
     With ``active_mask``, shapes and not only counts must agree for the shared index: a
     transposed batch of as many rows would take the index for rows it does not describe, so
-    it selects its own; another number of rows is not the mask's tokens at all.
+    it selects its own; another number of rows is not the mask's tokens at all. So must the
+    split over devices, for the index is one block per shard.
     """
-    if self._shared_rows is None:
-      return None, self.top_n
-    mask_shape = jnp.shape(self.active_mask)
-    if tuple(row_shape) == mask_shape:
-      record(self.report.shared_index, path)
-      return self._shared_rows, self._shared_top_n
-    if math.prod(row_shape) == math.prod(mask_shape):
-      return None, self.top_n
+    row_shape = jnp.shape(rows)[:num_row_dims]
+    sharding = self.sharding_of(rows, num_row_dims)
+    mask_shape = None if self.active_mask is None else jnp.shape(self.active_mask)
+    if self._shared_rows is None or math.prod(row_shape) == math.prod(mask_shape):
+      # Same tokens; the shared index when in the same layout on the same shards.
+      if sharding is not None:
+        record(self.report.per_shard, path)
+      if (self._shared_rows is not None and tuple(row_shape) == mask_shape
+          and _split(sharding) == _split(self._mask_sharding)):
+        record(self.report.shared_index, path)
+        return self._shared_rows, self._shared_top_n
+      # A kept fraction counts the rows of a shard.
+      num_shards = sharding.num_shards if sharding else 1
+      return None, resolve_top_n(self.top_n, math.prod(row_shape) // num_shards)
     return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
             "active_mask")
 
@@ -195,5 +247,6 @@ class SEBPContext:
       raise RuntimeError(
           f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
           "no linear layer's input had it as its leading dimensions and no embedding's ids "
-          "had its shape. Pass the mask of the tokens the layers see (e.g. attention_mask "
-          "[B, L]).")
+          "had its shape and split over devices. Pass the mask of the tokens the layers see "
+          "(e.g. attention_mask [B, L]); where their rows are split over devices and the "
+          "mask is a host array, pass batch_axes too.")

@@ -115,6 +115,15 @@ class use_sebp(SEBPContext):
       masks on the packed rows, so they fall elsewhere than in the padded batch; the
       attention probabilities are then materialised (no fused kernel has dropout).
       ``output_attentions``, decoding caches and cross-attention are refused.
+    batch_axes: the mesh axes that split the batch (the first dimension of ``active_mask``
+      and of the layers' inputs) when the step is sharded over several devices on a mesh of
+      ``Auto`` axes; under ``Explicit`` axes the arrays' types say it, and this may be left
+      out. Each shard then selects among its own rows, with no collective the dense step
+      does not have (:mod:`sebp_jax.sharding`), and ``top_n`` counts per shard: an int is
+      each shard's capacity, a fraction is of each shard's rows, ``"auto"`` takes the rung
+      that holds the fullest shard's real tokens (from a concrete mask), or each shard its
+      own at run time. Not with ``packed``.
+    mesh: the mesh of ``batch_axes``; None: the one entered with ``jax.set_mesh``.
     require_swaps: raise when the context ends without having swapped any layer, with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
       function, or of patterns that match nothing), or with an ``active_mask`` that no layer
@@ -128,10 +137,11 @@ class use_sebp(SEBPContext):
                exclude: str | None = DEFAULT_EXCLUDE, active_mask: jax.Array | None = None,
                backend: str = "auto", embeddings: bool = True, lm_head: bool = False,
                packed: bool = False, row_log: RowLog | None = None,
-               require_swaps: bool = True):
+               require_swaps: bool = True, batch_axes: Any = None, mesh: Any = None):
     super().__init__(top_n, threshold, overflow=overflow, include=include, exclude=exclude,
                      active_mask=active_mask, backend=backend, embeddings=embeddings,
-                     lm_head=lm_head, row_log=row_log, require_swaps=require_swaps)
+                     lm_head=lm_head, row_log=row_log, require_swaps=require_swaps,
+                     batch_axes=batch_axes, mesh=mesh)
     if packed and active_mask is None:
       raise ValueError("use_sebp(packed=True) needs active_mask: the [B, L] mask of the real "
                        "tokens to pack")
@@ -149,8 +159,8 @@ class use_sebp(SEBPContext):
     # Each call of a decorated function gets its own context and report.
     fresh = use_sebp.__new__(use_sebp)
     fresh.__dict__.update(self.__dict__, report=SEBPReport(), _stack=None, _shared_rows=None,
-                          _shared_top_n=None, _layout=None, _region_family=None,
-                          _packed_a_region=False)
+                          _shared_top_n=None, _mask_sharding=None, _layout=None,
+                          _region_family=None, _packed_a_region=False)
     return fresh
 
   def __call__(self, fn: Callable) -> Callable:
@@ -188,6 +198,11 @@ class use_sebp(SEBPContext):
     if not self.packed:
       super().share_mask_index()
       return
+    if self.sharding_of(self.active_mask, jnp.ndim(self.active_mask)) is not None:
+      raise ValueError(
+          "use_sebp(packed=True) packs the whole batch into one sequence, and this batch is "
+          "split over devices: packing runs on one device's batch only. Leave packed off "
+          "(each shard then selects its own rows), or pack inside jax.shard_map.")
     top_n = resolve_top_n(self.top_n, math.prod(jnp.shape(self.active_mask)))
     concrete = not isinstance(self.active_mask, jax.core.Tracer)
     if concrete and (top_n == "auto" or (
@@ -275,7 +290,7 @@ class use_sebp(SEBPContext):
         self.report.skipped[path] = reason
       return next_fun(*args, **kwargs)
     (inputs,) = args or (kwargs["inputs"],)
-    rows = self.rows_to_keep(path, jnp.shape(inputs) if is_embed else jnp.shape(inputs)[:-1])
+    rows = self.rows_to_keep(path, inputs, jnp.ndim(inputs) - (0 if is_embed else 1))
     if isinstance(rows, str):
       self.report.skipped[path] = rows
       return next_fun(*args, **kwargs)
@@ -284,8 +299,9 @@ class use_sebp(SEBPContext):
       record(self.report.embeddings, path)
       return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
                              overflow=self.overflow, active_rows=active_rows,
-                             row_log=self.row_log)
+                             row_log=self.row_log, **self.sharding_options)
     record(self.report.swapped, path)
     return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
                            backend=self.backend, overflow=self.overflow,
-                           active_rows=active_rows, row_log=self.row_log)
+                           active_rows=active_rows, row_log=self.row_log,
+                           **self.sharding_options)

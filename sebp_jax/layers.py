@@ -60,10 +60,12 @@ def _log_entry(row_log: RowLog | None, module: nn.Module):
 
 def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str,
                     threshold: float, backend: str, overflow: str = "exact",
-                    active_rows: Array | None = None, row_log: RowLog | None = None) -> Array:
+                    active_rows: Array | None = None, row_log: RowLog | None = None,
+                    batch_axes=None, mesh=None) -> Array:
   """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
 
-  Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does.
+  Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does. A
+  fraction ``top_n`` counts all rows: ``use_sebp`` resolves it per shard first.
   """
   kernel = module.param("kernel", module.kernel_init, (jnp.shape(inputs)[-1], module.features),
                         module.param_dtype)
@@ -74,19 +76,21 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str
   return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
                      threshold=threshold, overflow=overflow, precision=module.precision,
                      backend=backend, active_rows=active_rows, dtype=dtype,
-                     row_log=_log_entry(row_log, module))
+                     row_log=_log_entry(row_log, module), batch_axes=batch_axes, mesh=mesh)
 
 
 def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float | str,
                     threshold: float, overflow: str = "exact",
-                    active_rows: Array | None = None, row_log: RowLog | None = None) -> Array:
+                    active_rows: Array | None = None, row_log: RowLog | None = None,
+                    batch_axes=None, mesh=None) -> Array:
   """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
   (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
     return jnp.broadcast_to(jnp.asarray(table, dtype), jnp.shape(inputs) + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
                            threshold=threshold, overflow=overflow, active_rows=active_rows,
-                           dtype=dtype, row_log=_log_entry(row_log, module))
+                           dtype=dtype, row_log=_log_entry(row_log, module),
+                           batch_axes=batch_axes, mesh=mesh)
 
 
 class SEBPDense(nn.Dense):

@@ -114,7 +114,7 @@ def _row_log_entry(row_log: RowLog | None, path: str):
 
 def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, row_map: _RowMap,
                     *, top_n, threshold: float, overflow: str, backend: str,
-                    active_rows: Array | None, row_log) -> Array:
+                    active_rows: Array | None, row_log, batch_axes=None, mesh=None) -> Array:
   """The linear layer as :func:`sebp_linear` on rows: ``[*rows, *contracted] @ [*contracted,
   *features] -> [*rows, *features]``, reshaped in and out."""
   (inputs, kernel, bias), dtype = _promotion(module, (inputs, kernel, bias))
@@ -125,12 +125,13 @@ def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, ro
   out = sebp_linear(rows, matrix, None if bias is None else bias.reshape(-1),
                     top_n=resolve_top_n(top_n, math.prod(row_shape)), threshold=threshold,
                     overflow=overflow, precision=getattr(module, "precision", None),
-                    backend=backend, active_rows=active_rows, dtype=dtype, row_log=row_log)
+                    backend=backend, active_rows=active_rows, dtype=dtype, row_log=row_log,
+                    batch_axes=batch_axes, mesh=mesh)
   return out.reshape(*row_shape, *feature_shape)
 
 
 def _embed_forward(module: nnx.Embed, inputs: Array, *, top_n, threshold: float, overflow: str,
-                   active_rows: Array | None, row_log) -> Array:
+                   active_rows: Array | None, row_log, batch_axes=None, mesh=None) -> Array:
   """``nnx.Embed.__call__`` with :func:`sebp_embed_lookup` in place of the take."""
   if not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError("Input type must be an integer or unsigned integer.")
@@ -139,7 +140,7 @@ def _embed_forward(module: nnx.Embed, inputs: Array, *, top_n, threshold: float,
     return jnp.broadcast_to(jnp.asarray(table, dtype), inputs.shape + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),
                            threshold=threshold, overflow=overflow, active_rows=active_rows,
-                           dtype=dtype, row_log=row_log)
+                           dtype=dtype, row_log=row_log, batch_axes=batch_axes, mesh=mesh)
 
 
 def _validated_options(top_n, threshold, overflow, backend, row_log) -> None:
@@ -225,6 +226,8 @@ class LayerSwap:
   # The mask's contents when the shared index is a constant (a numpy or concrete mask), so
   # that a jitted step compiled for one mask never runs with another's index.
   mask_key: Any
+  batch_axes: tuple[str, ...] | None = None
+  mesh: Any = None
 
 
 _SWAP_ATTR = "_sebp_swap"
@@ -303,8 +306,9 @@ class use_sebp(SEBPContext):
   Args: ``top_n``, ``threshold``, ``overflow``, ``include``, ``exclude``, ``lm_head``,
   ``active_mask``, ``backend``, ``embeddings``, ``row_log`` as for the Linen
   :class:`sebp_jax.use_sebp`, with module paths such as ``"layers/0/attn/q_proj"``.
-  ``require_swaps`` raises at once when no layer matched, and on exit when ``active_mask``
-  served no layer that ran. Packing is Linen only.
+  ``batch_axes`` and ``mesh`` too (a batch split over devices: each shard selects its own
+  rows). ``require_swaps`` raises at once when no layer matched, and on exit when
+  ``active_mask`` served no layer that ran. Packing is Linen only.
 
   Contexts do not nest: entering one while another (NNX or Linen) is active raises.
   """
@@ -314,13 +318,14 @@ class use_sebp(SEBPContext):
                include: str = DEFAULT_INCLUDE, exclude: str | None = DEFAULT_EXCLUDE,
                active_mask: Array | None = None, backend: str = "auto",
                embeddings: bool = True, lm_head: bool = False, row_log: RowLog | None = None,
-               require_swaps: bool = True):
+               require_swaps: bool = True, batch_axes: Any = None, mesh: Any = None):
     if not isinstance(model, nnx.Module):
       raise ValueError(f"use_sebp: model must be an nnx.Module, got {type(model).__name__} "
                        "(for a Linen model, use sebp_jax.use_sebp)")
     super().__init__(top_n, threshold, overflow=overflow, include=include, exclude=exclude,
                      active_mask=active_mask, backend=backend, embeddings=embeddings,
-                     lm_head=lm_head, row_log=row_log, require_swaps=require_swaps)
+                     lm_head=lm_head, row_log=row_log, require_swaps=require_swaps,
+                     batch_axes=batch_axes, mesh=mesh)
     self.model = model
     self.layers_called = 0
     self._swapped: list[tuple[nnx.Module, type]] = []
@@ -363,17 +368,18 @@ class use_sebp(SEBPContext):
     """The forward of a swapped layer: its computation through the SEBP op on the rows and
     capacity this context gives it (dense where it gives none)."""
     if swap.kind == "embed":
-      row_shape = jnp.shape(inputs)
+      num_row_dims = jnp.ndim(inputs)
     else:
       row_map = swap.row_map or _RowMap(inputs.ndim - 1, 1)
-      row_shape = jnp.shape(inputs)[:row_map.row_dims]
-    rows = self.rows_to_keep(swap.path, row_shape)
+      num_row_dims = row_map.row_dims
+    rows = self.rows_to_keep(swap.path, inputs, num_row_dims)
     if isinstance(rows, str):
       self.report.skipped[swap.path] = rows
       return dense_forward(module, inputs)
     active_rows, top_n = rows
     options = dict(top_n=top_n, threshold=swap.threshold, overflow=swap.overflow,
-                   active_rows=active_rows, row_log=_row_log_entry(swap.row_log, swap.path))
+                   active_rows=active_rows, row_log=_row_log_entry(swap.row_log, swap.path),
+                   batch_axes=swap.batch_axes, mesh=swap.mesh)
     if swap.kind == "embed":
       return _embed_forward(module, inputs, **options)
     if swap.kind == "linear":
@@ -423,7 +429,7 @@ class use_sebp(SEBPContext):
         continue
       row_map, einsum = detail if kind == "einsum" else (None, None)
       swap = LayerSwap(path, kind, row_map, einsum, self.top_n, self.threshold, self.overflow,
-                   self.backend, self.row_log, mask_key)
+                       self.backend, self.row_log, mask_key, self.batch_axes, self.mesh)
       self._swapped.append((module, type(module)))
       # Past nnx's __setattr__, which would record the swap as one of the module's own
       # attributes; the graph definition still holds the class and the swap.

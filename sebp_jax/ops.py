@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sebp_jax.backward import OVERFLOW_MODES, embedding_backward, linear_backward
 from sebp_jax.implementations import implementation_names
+from sebp_jax.sharding import RowSharding, map_row_shards, normalize_batch_axes, row_sharding
 
 Array = jax.Array
 
@@ -96,28 +97,33 @@ def validate_backend(backend: Any) -> str:
   return backend
 
 
-def validate_active_rows(active_rows: Any, num_rows: int) -> Array | None:
+def validate_active_rows(active_rows: Any, num_rows: int,
+                         num_shards: int = 1) -> Array | None:
   """``active_rows`` as ``int32[K]`` (None stays None), or ValueError.
 
   The contract: row indices in ``[0, num_rows)``, strictly ascending, then the sentinel
   ``num_rows`` in every unused slot. A concrete index is checked against it; a traced one
-  cannot be, and breaking the contract there counts a row twice or wraps it.
+  cannot be, and breaking the contract there counts a row twice or wraps it. With rows split
+  into ``num_shards`` shards, the index is one such block per shard, of its own rows.
   """
   if active_rows is None:
     return None
   active_rows = jnp.asarray(active_rows)
-  if (active_rows.ndim != 1 or active_rows.size == 0
+  if (active_rows.ndim != 1 or active_rows.size == 0 or active_rows.size % num_shards
       or not jnp.issubdtype(active_rows.dtype, jnp.integer)):
     raise ValueError(f"active_rows must be a non-empty 1-D integer array (row indices), "
+                     f"one block of equal size per shard ({num_shards}), "
                      f"got {active_rows.dtype}{list(active_rows.shape)}")
   if not isinstance(active_rows, jax.core.Tracer):
-    rows = np.asarray(active_rows, np.int64)
-    real = rows[rows != num_rows]
-    if (np.any(rows < 0) or np.any(rows > num_rows) or np.any(np.diff(real) <= 0)
-        or np.any(rows[len(real):] != num_rows)):
-      raise ValueError(
-          f"active_rows must hold row indices in [0, {num_rows}) in strictly ascending order, "
-          f"then the sentinel {num_rows} in unused slots, got {rows.tolist()}")
+    shard_rows = num_rows // num_shards
+    for rows in np.asarray(active_rows, np.int64).reshape(num_shards, -1):
+      real = rows[rows != shard_rows]
+      if (np.any(rows < 0) or np.any(rows > shard_rows) or np.any(np.diff(real) <= 0)
+          or np.any(rows[len(real):] != shard_rows)):
+        raise ValueError(
+            f"active_rows must hold row indices in [0, {shard_rows}) in strictly ascending "
+            f"order, then the sentinel {shard_rows} in unused slots"
+            f"{' (in each shard)' if num_shards > 1 else ''}, got {rows.tolist()}")
   return active_rows.astype(jnp.int32)
 
 
@@ -151,6 +157,8 @@ class _LinearConfig:
   dtype: Any
   #: The dtypes of x, kernel and bias as given (None without bias): their gradients'.
   grad_dtypes: tuple[Any, Any, Any]
+  #: How the rows are split over devices (each shard selects its own), or None.
+  sharding: RowSharding | None = None
 
 
 def _dense_forward(x, kernel, bias, precision):
@@ -172,18 +180,33 @@ def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
   return _dense_forward(x, kernel, bias, config.precision), (x, kernel, active_rows)
 
 
-def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
-  x, kernel, active_rows = residuals
+def _linear_grads(config: _LinearConfig, rows, whole):
+  """dX (rows) and dW, db (sums over rows) of the rows given."""
+  (x, dy, active_rows), (kernel,) = rows, whole
   num_rows = math.prod(x.shape[:-1])
-  grads = linear_backward(
+  dx, dkernel, dbias = linear_backward(
       x.reshape(num_rows, x.shape[-1]), kernel, dy.reshape(num_rows, dy.shape[-1]),
       top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
       active_rows=active_rows, backend=config.backend,
       with_bias=config.grad_dtypes[2] is not None, precision=config.precision,
-      dkernel_dtype=config.grad_dtypes[1], row_log=config.row_log)
+      # A shard's partial dW crosses devices in the compute dtype (the residual kernel's).
+      dkernel_dtype=config.grad_dtypes[1] if config.sharding is None else kernel.dtype,
+      row_log=config.row_log)
+  return (dx.reshape(x.shape),), (dkernel, dbias)
+
+
+def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
+  x, kernel, active_rows = residuals
+  grads = functools.partial(_linear_grads, config)
+  if config.sharding is None:
+    (dx,), (dkernel, dbias) = grads((x, dy, active_rows), (kernel,))
+  else:
+    (dx,), (dkernel, dbias) = map_row_shards(
+        grads, config.sharding, rows=(x, dy, active_rows), whole=(kernel,),
+        sums_like=(kernel, None), sums_dtype=kernel.dtype)
   dx, dkernel, dbias = (None if g is None else g.astype(dtype)
-                        for g, dtype in zip(grads, config.grad_dtypes))
-  return dx.reshape(x.shape), dkernel, dbias, None
+                        for g, dtype in zip((dx, dkernel, dbias), config.grad_dtypes))
+  return dx, dkernel, dbias, None
 
 
 _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
@@ -192,7 +215,8 @@ _sebp_linear.defvjp(_sebp_linear_fwd, _sebp_linear_bwd)
 def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
                 top_n: int | str = "auto", threshold: float = 0.0, overflow: str = "exact",
                 precision: Any = None, backend: str = "auto", active_rows: Array | None = None,
-                dtype: Any = None, row_log: Any = None) -> Array:
+                dtype: Any = None, row_log: Any = None, batch_axes: Any = None,
+                mesh: Any = None) -> Array:
   """``x @ kernel + bias`` with a backward from the active rows of dY only.
 
   A row of dY is *active* when its max ``|value|`` exceeds ``threshold`` or it holds NaN/Inf
@@ -228,6 +252,11 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
     row_log: optional hashable callable, e.g. ``RowLog().for_layer(name)``
       (:mod:`sebp_jax.report`): each backward sends it, through ``jax.debug.callback``, its
       active and kept rows, capacity and dropped share of dY's norm.
+    batch_axes: the mesh axes that split x's first dimension, where its type does not say
+      (an ``Auto`` mesh; an ``Explicit`` one is read from the type): each shard then selects
+      among its own rows, ``top_n`` and ``active_rows`` are per shard
+      (:mod:`sebp_jax.sharding`).
+    mesh: the mesh of ``batch_axes``; None: the one of ``jax.set_mesh``.
 
   Returns:
     ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype.
@@ -247,14 +276,17 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
   # Integer arguments have no gradient of their own dtype to come back in: cast them here.
   x, kernel, bias = (a if a is None or jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(dtype)
                      for a in (x, kernel, bias))
-  active_rows = validate_active_rows(active_rows, math.prod(x.shape[:-1]))
+  sharding = row_sharding(x, x.ndim - 1, mesh=mesh, batch_axes=normalize_batch_axes(batch_axes))
+  active_rows = validate_active_rows(active_rows, math.prod(x.shape[:-1]),
+                                     sharding.num_shards if sharding else 1)
   if backend == "pallas" and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(f"backend 'pallas' has no kernels for complex dtypes, got {dtype}: "
                      "use backend 'xla' or 'auto'")
   config = _LinearConfig(top_n=top_n, threshold=threshold, overflow=overflow,
                          row_log=row_log, precision=precision,
                          backend=backend, dtype=dtype,
-                         grad_dtypes=(x.dtype, kernel.dtype, None if bias is None else bias.dtype))
+                         grad_dtypes=(x.dtype, kernel.dtype, None if bias is None else bias.dtype),
+                         sharding=sharding)
   return checkpoint_name(_sebp_linear(x, kernel, bias, active_rows, config),
                          SEBP_CHECKPOINT_NAME)
 
@@ -272,6 +304,7 @@ class _LookupConfig:
   row_log: Any
   #: The compute dtype, as ``nn.Embed.dtype``: the table is cast to it inside the op.
   dtype: Any
+  sharding: RowSharding | None = None
 
 
 def _lookup(table, ids, dtype=None):
@@ -290,12 +323,26 @@ def _sebp_lookup_fwd(table, ids, active_rows, config: _LookupConfig):
   return _lookup(table, ids, config.dtype), (table, ids, active_rows)
 
 
-def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
-  table, ids, active_rows = residuals
+def _lookup_grads(config: _LookupConfig, table_shape, rows, whole):
+  """The table's gradient: a sum over the rows given."""
+  (ids, dy, active_rows), () = rows, whole
   d_table = embedding_backward(
-      ids.reshape(-1), dy.reshape(ids.size, table.shape[1]), num_embeddings=table.shape[0],
+      ids.reshape(-1), dy.reshape(ids.size, table_shape[1]), num_embeddings=table_shape[0],
       top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
       active_rows=active_rows, row_log=config.row_log)
+  return (), (d_table,)
+
+
+def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
+  table, ids, active_rows = residuals
+  # The gradient needs the table's shape, none of its values.
+  grads = functools.partial(_lookup_grads, config, table.shape)
+  if config.sharding is None:
+    _, (d_table,) = grads((ids, dy, active_rows), ())
+  else:
+    _, (d_table,) = map_row_shards(grads, config.sharding, rows=(ids, dy, active_rows),
+                                   whole=(), sums_like=(table,),
+                                   sums_dtype=config.dtype or table.dtype)
   return d_table.astype(table.dtype), None, None
 
 
@@ -305,7 +352,7 @@ _sebp_lookup.defvjp(_sebp_lookup_fwd, _sebp_lookup_bwd)
 def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
                       threshold: float = 0.0, overflow: str = "exact",
                       active_rows: Array | None = None, dtype: Any = None,
-                      row_log: Any = None) -> Array:
+                      row_log: Any = None, batch_axes: Any = None, mesh: Any = None) -> Array:
   """``table[ids]`` with a backward that scatters only ``top_n`` rows of dY into ``d_table``.
 
   An embedding lookup is a linear layer whose input is one-hot: its dense backward scatters
@@ -316,7 +363,8 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
     table: ``[V, F]`` embedding table.
     ids: integer ``[...]`` token ids; every element is a row, ``T = ids.size``. Ids out of
       ``[-V, V)`` read NaN in the forward and get no gradient, as with ``jnp.take``.
-    top_n, threshold, overflow, active_rows, row_log: as for :func:`sebp_linear` (rows of dY
+    top_n, threshold, overflow, active_rows, row_log, batch_axes, mesh: as for
+      :func:`sebp_linear` (rows of dY
       flattened to ``[T, F]``), except that ``"exact"`` and ``"auto"`` scatter every active
       row at once, with no run-time branch. Where that keeps every non-zero row (no index,
       no threshold, no log, no cast), the plain lookup runs, with autodiff's backward.
@@ -335,7 +383,9 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
     raise ValueError(f"table must be 2-D [num_embeddings, features], got shape {table.shape}")
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {ids.dtype}")
-  active_rows = validate_active_rows(active_rows, ids.size)
+  sharding = row_sharding(ids, ids.ndim, mesh=mesh, batch_axes=normalize_batch_axes(batch_axes))
+  active_rows = validate_active_rows(active_rows, ids.size,
+                                     sharding.num_shards if sharding else 1)
   keeps_every_row = top_n == "auto" or overflow == "exact" or top_n >= ids.size
   # The plain lookup where it keeps the same rows; not across a cast, where autodiff would
   # round the table's gradient in the compute dtype first.
@@ -343,4 +393,4 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
       and (dtype is None or jnp.dtype(dtype) == table.dtype)):
     return _lookup(table, ids, dtype)
   return _sebp_lookup(table, ids, active_rows,
-                      _LookupConfig(top_n, threshold, overflow, row_log, dtype))
+                      _LookupConfig(top_n, threshold, overflow, row_log, dtype, sharding))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sebp_jax.selection import active_rows_from_mask
+from sebp_jax.sharding import shard_row_counts
 
 Array = jax.Array
 
@@ -68,13 +69,15 @@ class PackedLayout:
     return self.num_tokens > self.capacity
 
 
-def token_capacity(mask, multiple: int = 128) -> int:
-  """A packing capacity for a host-side ``mask``: its real tokens rounded up to ``multiple``
-  (at most ``mask.size``). Bucketing bounds the number of compiled shapes: pass it as a
-  static argument of the jitted step."""
+def token_capacity(mask, multiple: int = 128, num_shards: int = 1) -> int:
+  """A capacity for a host-side ``mask``: its real tokens rounded up to ``multiple`` (at most
+  ``mask.size``). Bucketing bounds the number of compiled shapes: pass it as a static
+  argument of the jitted step. With the batch split into ``num_shards`` shards along its
+  first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per shard): the
+  fullest shard's real tokens, rounded up, at most a shard's rows."""
   mask = np.asarray(mask)
-  num_tokens = max(1, int(np.count_nonzero(mask)))
-  return min(mask.size, -(-num_tokens // multiple) * multiple)
+  num_tokens = max(1, int(shard_row_counts(mask, num_shards).max()))
+  return min(mask.size // num_shards, -(-num_tokens // multiple) * multiple)
 
 
 def pack_layout(mask: Array, capacity: int) -> PackedLayout:

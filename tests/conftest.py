@@ -1,3 +1,11 @@
+import os
+
+# Four host (CPU) devices, for the tests of steps sharded over several devices
+# (tests/test_sharding.py); every other test runs on the first. Set before jax starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=4").strip()
+
 import jax
 import pytest
 

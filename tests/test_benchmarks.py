@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from benchmarks import harness, layer, model, selection, tune_blocks
 from sebp_jax.packing import token_capacity
+from sebp_jax.sharding import shard_row_counts
 
 
 @pytest.mark.slow
@@ -96,6 +99,48 @@ def test_nnx_modes_give_the_dense_gradient_and_the_bound_drops_the_weight_gradie
   assert not np.any(grads["layers"][0]["mlp"]["up_proj"]["kernel"][...])
   assert not np.any(grads["layers"][1]["attn"]["q_proj"]["w"][...])
   assert np.any(grads["final_norm"]["w"][...])
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_nnx"])
+def test_data_parallel_modes_give_the_one_device_gradient(kind):
+  """The benchmark's data-parallel SEBP modes, the batch split over 2 devices (each selecting
+  its own rows at the fullest shard's real tokens), give the dense gradient of one device,
+  transformers' Linen Llama and Tunix's NNX one alike."""
+  setup = model.setup_for(kind, tiny=True)
+  net = model.build_model(kind, tiny=True, dtype=jnp.float32)
+  batch = model.make_batch(kind, net, setup, seed=3, shards=2)
+  top_n = int(shard_row_counts(batch["attention_mask"], 2).max())
+  assert top_n < batch["attention_mask"].sum()
+  want_loss, want = jax.value_and_grad(model.make_loss(kind, net, "dense", top_n, "xla"))(
+      net.params, batch)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+  mesh = model.data_parallel_mesh(2)
+  split = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  for mode in ("sebp_shared", "sebp_auto_host", "sebp_layer_auto"):
+    loss_fn = model.make_loss(kind, net, mode, top_n, "xla", host_mask=batch["attention_mask"],
+                              sharding=dict(batch_axes="data", mesh=mesh))
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(net.params, split)
+    tolerance = 2e-2 if setup.nnx else 2e-5  # The NNX Llama computes in bfloat16.
+    np.testing.assert_allclose(loss, want_loss, rtol=tolerance)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(got, expected, atol=tolerance * scale)
+
+
+@pytest.mark.slow
+def test_data_parallel_records_scaling_and_collectives(tmp_path):
+  out = tmp_path / "dp.jsonl"
+  rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared,sebp_packed",
+                     "--devices", "1,2", "--repeats", "1", "--out", str(out)])
+  assert [(r["devices"], r["mode"]) for r in rows] == [
+      (1, "dense"), (1, "sebp_shared"), (1, "sebp_packed"), (2, "dense"), (2, "sebp_shared")]
+  one, two = rows[:3], rows[3:]
+  assert all("scaling_efficiency" not in r for r in one)
+  assert all(r["scaling_efficiency"] > 0 and r["batch_size"] == 4 for r in two)
+  assert two[0]["collectives"] == two[1]["collectives"]
+  assert "all-gather" not in two[1]["collectives"]
+  assert two[1]["collective_bytes"]["all-reduce"] <= two[0]["collective_bytes"]["all-reduce"]
+  assert two[1]["top_n"] < two[1]["real_tokens"]  # Each shard's own capacity.
+  assert len(out.read_text().splitlines()) == 5
 
 
 @pytest.mark.slow

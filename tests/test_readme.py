@@ -68,3 +68,13 @@ def test_the_nnx_snippet_runs_after_the_quick_start_and_is_exact():
 
   want = nnx.state(nnx.grad(dense_loss)(tagger), nnx.Param)
   assert_every_gradient_close(nnx.state(scope["nnx_grads"], nnx.Param), want)
+
+
+def test_the_several_gpus_snippet_runs_after_the_quick_start_and_is_exact():
+  """On the test machine's 4 host devices (tests/conftest.py): one device's gradient."""
+  scope = {}
+  exec(compile(_python_blocks("## Quick start")[0], str(README), "exec"), scope)
+  (snippet,) = _python_blocks("### Several GPUs: `batch_axes`")
+  exec(compile(snippet, str(README), "exec"), scope)
+  assert scope["mesh"].size == jax.device_count() > 1
+  assert_every_gradient_close(scope["dp_grads"], scope["grads"])

@@ -1,0 +1,247 @@
+"""Selection per shard: SEBP on a batch split over devices.
+
+Selecting the top rows of a batch that is split over devices is a global question (which rows
+of the whole batch?), and asking it of XLA's partitioner gathers dY or the mask across devices
+in every layer's backward, a collective the dense step does not have; on a mesh of ``Explicit``
+axes it does not even trace (a cumsum over a sharded axis). Each shard holds its own rows,
+though, and the kept rows of one shard never meet another's until dW is summed. So each shard
+selects among its own rows, at a capacity per shard, inside a ``jax.shard_map`` over the axes
+that split the batch:
+
+* the rows' outputs (dX) come back split as the rows came in;
+* the sums over rows (dW, db, an embedding table's gradient) come back as one partial sum per
+  shard, stacked, and are summed outside the ``shard_map``, so that XLA reduces them across
+  devices exactly as it reduces the dense backward's: an all-reduce for a replicated parameter,
+  a reduce-scatter for one sharded FSDP-style. The partial sums cross devices in the compute
+  dtype, as the dense backward's do (bfloat16 for a float32 weight used in bfloat16: half the
+  bytes of float32), and the total is cast to the parameter's dtype after;
+* parameters enter whole (replicated), as the dense backward needs them for dX.
+
+A :class:`RowSharding` says how a layer's rows are split: over the mesh axes of its first
+(batch) dimension. Under an ``Explicit`` mesh the array's type tells; under an ``Auto`` mesh the
+types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
+
+Array = jax.Array
+
+
+def _axis_names(entry: Any) -> tuple[str, ...]:
+  """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of names."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def normalize_batch_axes(batch_axes: Any) -> tuple[str, ...] | None:
+  """``batch_axes`` as a tuple of mesh axis names (None stays None), or ValueError."""
+  if batch_axes is None:
+    return None
+  axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+  if (not isinstance(axes, (tuple, list)) or not axes
+      or not all(isinstance(a, str) for a in axes)):
+    raise ValueError(f"batch_axes must be a mesh axis name or a tuple of them, got "
+                     f"{batch_axes!r}")
+  return tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSharding:
+  """The mesh axes that split a layer's rows along their first dimension: each shard selects
+  its own rows, at its capacity."""
+  mesh: Any  # jax.sharding.Mesh or AbstractMesh
+  axes: tuple[str, ...]
+  #: The axes are ``Explicit``: arrays carry the split in their types.
+  explicit: bool
+
+  @property
+  def num_shards(self) -> int:
+    return math.prod(self.mesh.shape[axis] for axis in self.axes)
+
+  def rows_spec(self, ndim: int) -> P:
+    """The spec of an array of rows: its first dimension split, the others whole."""
+    return P(self.axes, *(None,) * (ndim - 1))
+
+  def describe(self) -> str:
+    return f"rows split over mesh axes {self.axes} ({self.num_shards} shards)"
+
+
+def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
+  """``(mesh, axes)`` of the ``Explicit`` mesh axes that split ``x``'s first dimension
+  (``axes`` empty where none does)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not mesh.shape:
+    return None, ()
+  spec = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  first = tuple(a for a in _axis_names(spec[0]) if a in explicit)
+  return mesh, first
+
+
+def _mesh_for(mesh: Any, batch_axes: tuple[str, ...]) -> Any:
+  """``mesh``, else the one of ``jax.set_mesh``, checked to have ``batch_axes``."""
+  mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+  if mesh is None or not mesh.shape:
+    raise ValueError(f"batch_axes={batch_axes} needs a mesh: pass mesh=..., or enter "
+                     "jax.set_mesh(mesh) around the step")
+  missing = [axis for axis in batch_axes if axis not in mesh.shape]
+  if missing:
+    raise ValueError(f"batch_axes={batch_axes} names axes {missing} that the mesh "
+                     f"{dict(mesh.shape)} does not have")
+  return mesh
+
+
+def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
+                 batch_axes: tuple[str, ...] | None = None) -> RowSharding | None:
+  """How the rows of ``x`` (its first ``num_row_dims`` dims) are split over devices; None for
+  rows on one device, or split in a way that per-shard selection does not serve (a first
+  dimension the shards do not divide evenly).
+
+  ``batch_axes`` (with ``mesh``, or the mesh of ``jax.set_mesh``) names the axes that split
+  the first dimension where the types do not tell (an ``Auto`` mesh). Under an ``Explicit``
+  mesh the type tells, and ``batch_axes`` must agree with it.
+  """
+  if num_row_dims < 1:
+    return None
+  type_mesh, explicit_axes = _explicit_row_axes(x)
+  if explicit_axes:
+    if batch_axes is not None and tuple(batch_axes) != explicit_axes:
+      raise ValueError(f"batch_axes={batch_axes} disagrees with the sharding of an array of "
+                       f"type {jax.typeof(x)}: its first dimension is split over "
+                       f"{explicit_axes}")
+    sharding = RowSharding(type_mesh, explicit_axes, explicit=True)
+  elif batch_axes is None:
+    return None
+  else:
+    mesh = _mesh_for(mesh, batch_axes)
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    # An array not typed as split (a host mask) on Explicit axes: split it for shard_map.
+    sharding = RowSharding(mesh, tuple(batch_axes), explicit=any(
+        kinds[axis] == AxisType.Explicit for axis in batch_axes))
+  if sharding.num_shards == 1 or jnp.shape(x)[0] % sharding.num_shards:
+    return None
+  return sharding
+
+
+def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:
+  # Under an Explicit mesh shard_map takes arrays typed as its in_specs say.
+  if array is None or not sharding.explicit:
+    return array
+  return jax.sharding.reshard(array, P())
+
+
+def _as_rows(sharding: RowSharding, array: Array | None) -> Array | None:
+  # Rows split along other dimensions too (a sequence axis) are gathered along those.
+  if array is None or not sharding.explicit:
+    return array
+  return jax.sharding.reshard(array, sharding.rows_spec(jnp.ndim(array)))
+
+
+def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None, ...],
+                   whole: tuple[Array | None, ...], sums_like: tuple[Array | None, ...],
+                   sums_dtype: Any = None) -> tuple[tuple, tuple]:
+  """Runs ``fn(rows, whole) -> (row_outputs, sums)`` on each shard's block of ``rows``.
+
+  Args:
+    fn: the per-shard computation; ``rows`` are its blocks of the row arrays (first dimension
+      split), ``whole`` the other arrays, replicated; ``sums`` are sums over its rows.
+    rows: arrays split along their first dimension (None passes through).
+    whole: arrays every shard sees whole (parameters).
+    sums_like: for each of ``sums``, the array whose sharding the total takes (the parameter
+      of a gradient), or None.
+    sums_dtype: the dtype the partial sums are summed across devices in (None: their own).
+
+  Returns:
+    ``(row_outputs, sums)``: the row outputs joined along the first dimension, and each of
+    ``sums`` summed over the shards, in the sharding of its ``sums_like``.
+  """
+  def block(rows, whole):
+    row_outputs, sums = fn(rows, whole)
+    return row_outputs, tuple(None if s is None else s.astype(sums_dtype or s.dtype)[None]
+                              for s in sums)
+
+  split = P(sharding.axes)  # The first dimension split, of any array.
+  row_outputs, stacked = jax.shard_map(
+      block, mesh=sharding.mesh, in_specs=(split, P()), out_specs=(split, split),
+      axis_names=frozenset(sharding.axes), check_vma=False,
+  )(tuple(_as_rows(sharding, r) for r in rows), tuple(_as_replicated(sharding, w) for w in whole))
+  sums = []
+  for partial, like in zip(stacked, sums_like):
+    if partial is None:
+      sums.append(None)
+      continue
+    total = jnp.sum(partial, axis=0, dtype=partial.dtype)
+    if sharding.explicit and like is not None:
+      total = jax.sharding.reshard(total, jax.typeof(like).sharding.spec)
+    sums.append(total)
+  return row_outputs, tuple(sums)
+
+
+def shard_row_counts(mask: Any, num_shards: int) -> np.ndarray:
+  """The real tokens of each shard's block of a host ``mask`` split along its first dim."""
+  mask = np.asarray(mask)
+  if mask.shape[0] % num_shards:
+    raise ValueError(f"a mask of shape {mask.shape} does not split evenly into {num_shards} "
+                     "shards along its first dimension")
+  return np.count_nonzero(mask.reshape(num_shards, -1), axis=1)
+
+
+_COLLECTIVE = re.compile(
+    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
+
+
+def _result_type(type_text: str, started: bool) -> str:
+  """The result part of an HLO collective's type: an async start's type is a tuple whose last
+  element is the result."""
+  if not started:
+    return type_text
+  depth = 0
+  for position in range(len(type_text) - 1, -1, -1):
+    depth += {")": 1, "]": 1, "}": 1, "(": -1, "[": -1, "{": -1}.get(type_text[position], 0)
+    if type_text[position] == "," and depth == 1:
+      return type_text[position + 1:]
+  return type_text
+
+
+def _collectives(compiled: Any) -> list[tuple[str, int]]:
+  """``(kind, result bytes)`` of each collective of a compiled program, a combined one once."""
+  found = []
+  for type_text, kind, started in _COLLECTIVE.findall(compiled.as_text()):
+    size = 0
+    for dtype, dims in _ARRAY.findall(_result_type(type_text, bool(started))):
+      bits = _BITS.get(dtype) or int(dtype[1:])
+      size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    found.append((kind, size))
+  return found
+
+
+def collective_counts(compiled: Any) -> dict[str, int]:
+  """The collectives of a compiled program (``jax.jit(f).lower(...).compile()``) by kind
+  (``all-gather``, ``all-reduce``, ``reduce-scatter``, ``all-to-all``,
+  ``collective-permute``), counting a combined one once: to check that an SEBP step
+  communicates no more than the dense one."""
+  return dict(collections.Counter(kind for kind, _ in _collectives(compiled)))
+
+
+def collective_bytes(compiled: Any) -> dict[str, int]:
+  """The bytes the collectives of a compiled program produce, by kind."""
+  totals = collections.Counter()
+  for kind, size in _collectives(compiled):
+    totals[kind] += size
+  return dict(totals)

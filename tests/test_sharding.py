@@ -1,0 +1,416 @@
+"""SEBP on a batch split over devices: each shard selects its own rows.
+
+Four host devices (tests/conftest.py) on a mesh of ``Auto`` or ``Explicit`` axes; gradients
+against one device's ``jax.grad`` of the dense model, and the compiled step's collectives
+against the dense step's (no all-gather, no all-reduce that the dense step does not have).
+Tests comparing SEBP with dense ask for backend="xla" (on a GPU "auto" runs tiny layers
+dense)."""
+
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
+from sebp_jax import nnx as sebp_nnx
+from sebp_jax.sharding import collective_bytes, collective_counts, row_sharding, shard_row_counts
+from tests.model_testing import assert_every_gradient_close
+
+CPUS = jax.devices("cpu")
+pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 host devices (tests/conftest.py)")
+AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
+BATCH, LENGTH, FEATURES = 8, 16, 32
+
+
+def _mesh(axis_type, shape=(4,), names=("data",)):
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape),
+                       devices=CPUS[:np.prod(shape)])
+
+
+def _put(tree, mesh, spec):
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
+
+
+def _mask(seed=0, batch=BATCH, length=LENGTH):
+  """Right padding, lengths 1..length-1, the shards' counts unequal."""
+  lengths = np.random.default_rng(seed).integers(1, length, size=(batch, 1))
+  return np.arange(length)[None] < lengths
+
+
+class _Tagger(nn.Module):
+  """Dense layers on [B, L, D] rows, and an embedding when given ids."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    h = nn.Embed(50, FEATURES)(inputs) if jnp.issubdtype(inputs.dtype, jnp.integer) else inputs
+    h = nn.gelu(nn.Dense(64)(h))
+    return nn.Dense(8)(h)
+
+
+def _masked_loss(outputs, mask):
+  return jnp.sum(jnp.where(mask[..., None], jnp.sin(outputs), 0.0))
+
+
+def _linen_case(axis_type):
+  """The model, its params and inputs: ids under Auto; features under Explicit, where a
+  lookup of sharded ids needs an out_sharding that nn.Embed does not take, dense or not."""
+  keys = jax.random.split(jax.random.key(0), 2)
+  if axis_type == AxisType.Auto:
+    inputs = jax.random.randint(keys[0], (BATCH, LENGTH), 0, 50)
+  else:
+    inputs = jax.random.normal(keys[0], (BATCH, LENGTH, FEATURES))
+  model = _Tagger()
+  return model, model.init(keys[1], inputs), inputs
+
+
+def _step(model, options_of):
+  """The gradient of the masked loss, SEBP as ``options_of(mask)`` says (None: dense)."""
+  def loss(params, inputs, mask):
+    options = options_of(mask)
+    if options is None:
+      return _masked_loss(model.apply(params, inputs), mask)
+    with use_sebp(backend="xla", **options):
+      outputs = model.apply(params, inputs)
+    return _masked_loss(outputs, mask)
+  return jax.jit(jax.grad(loss))
+
+
+LINEN_CASES = {
+    # The shared index of a traced mask, capacity 32 of a shard's 64 rows.
+    "shared_traced": lambda mask: dict(active_mask=mask, top_n=32, overflow="nan"),
+    # A host mask: the rung of the fullest shard, picked while tracing.
+    "shared_host": lambda mask: dict(active_mask=_mask(), top_n="auto"),
+    "shared_traced_auto": lambda mask: dict(active_mask=mask),
+    "per_layer": lambda mask: dict(top_n=16),
+    "per_layer_auto": lambda mask: dict(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINEN_CASES))
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_linen_gradient_equals_one_device_and_adds_no_collective(axis_type, case):
+  model, params, inputs = _linen_case(axis_type)
+  mask = _mask()
+  want = _step(model, lambda m: None)(params, inputs, mask)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    args = (_put(params, mesh, P()), *_put((inputs, mask), mesh, P("data")))
+    # Explicit: from the types, but for a host mask, which has no split of its own.
+    batch_axes = "data" if axis_type == AxisType.Auto or case == "shared_host" else None
+    sebp = _step(model, lambda m: dict(LINEN_CASES[case](m), batch_axes=batch_axes))
+    assert_every_gradient_close(sebp(*args), want, rtol=2e-5)
+    dense = _step(model, lambda m: None)
+    assert (collective_counts(sebp.lower(*args).compile())
+            == collective_counts(dense.lower(*args).compile()))
+
+
+def _shard_map_outputs(jaxpr):
+  """The output avals of every shard_map in ``jaxpr``, nested ones included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      yield from (v.aval for v in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _shard_map_outputs(sub)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_index", "per_layer"])
+def test_weight_gradients_cross_devices_in_the_compute_dtype(shared):
+  """float32 weights used in bfloat16: each shard's partial dW and db leave its shard_map in
+  bfloat16, to be summed across devices as the dense backward's are, not in float32 (twice
+  the bytes); the gradients come back float32."""
+  class Bf16Tagger(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, dtype=jnp.bfloat16)(nn.Dense(64, dtype=jnp.bfloat16)(x))
+
+  model = Bf16Tagger()
+  inputs = jax.random.normal(jax.random.key(6), (BATCH, LENGTH, FEATURES))
+  params = model.init(jax.random.key(7), inputs)
+  mask = _mask(6)
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    args = (_put(params, mesh, P()), *_put((inputs, mask), mesh, P("data")))
+    options = dict(active_mask=mask, top_n=64) if shared else dict(top_n=16)
+    sebp = _step(model, lambda m: dict(options, batch_axes="data"))
+    stacked = {(aval.shape[1:], aval.dtype.name)
+               for aval in _shard_map_outputs(jax.make_jaxpr(sebp)(*args).jaxpr)
+               if aval.shape[0] == 4}  # One partial sum per shard.
+    grads = sebp(*args)
+  weights = {(FEATURES, 64), (64,), (64, 8), (8,)}
+  assert {(shape, "bfloat16") for shape in weights} <= stacked
+  assert not {(shape, "float32") for shape in weights} & stacked
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_fsdp_params_communicate_as_the_dense_step(axis_type):
+  """Kernels split over the batch's axis: gathered for the forward and dX, their gradients
+  reduced into the same split, as the dense step does."""
+  model, params, inputs = _linen_case(AxisType.Explicit)
+  mask = _mask(1)
+  want = _step(model, lambda m: None)(params, inputs, mask)
+  mesh = _mesh(axis_type)
+  specs = jax.tree.map(lambda a: P("data") if a.ndim == 2 else P(), params)
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+  def step_of(options_of):
+    def loss(params, inputs, mask):
+      if axis_type == AxisType.Explicit:  # Explicit FSDP: the step gathers its weights.
+        params = jax.tree.map(lambda p: jax.sharding.reshard(p, P()), params)
+      options = options_of(mask)
+      if options is None:
+        return _masked_loss(model.apply(params, inputs), mask)
+      with use_sebp(backend="xla", batch_axes="data", **options):
+        return _masked_loss(model.apply(params, inputs), mask)
+    return jax.jit(jax.grad(loss), out_shardings=shardings)
+
+  with jax.set_mesh(mesh):
+    args = (jax.device_put(params, shardings), *_put((inputs, mask), mesh, P("data")))
+    dense = collective_counts(step_of(lambda m: None).lower(*args).compile())
+    assert dense.get("all-gather", 0) > 0  # The weights are gathered, as FSDP does.
+    for options_of in (LINEN_CASES["shared_traced"], LINEN_CASES["per_layer"]):
+      sebp = step_of(options_of)
+      got = sebp(*args)
+      assert_every_gradient_close(got, want, rtol=2e-5)
+      assert jax.tree.map(lambda g: g.sharding.spec, got) == specs
+      assert collective_counts(sebp.lower(*args).compile()) == dense
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "dense"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_ops_select_per_shard(axis_type, backend):
+  """sebp_linear and sebp_embed_lookup with rows split over 4 shards, each shard's index of
+  its own rows: the gradients of one device."""
+  if backend == "pallas" and jax.default_backend() != "cpu":
+    pytest.skip("the kernels interpret only where the default backend is the CPU; "
+                "test_data_parallel_on_gpus runs them on GPUs")
+  keys = jax.random.split(jax.random.key(1), 4)
+  x = jax.random.normal(keys[0], (BATCH, LENGTH, FEATURES))
+  kernel, bias = jax.random.normal(keys[1], (FEATURES, 24)), jax.random.normal(keys[2], (24,))
+  mask = _mask(2)
+  # Each shard's index: its real tokens, local flat positions, sentinel = its 32 rows.
+  local_rows = np.full((4, 24), 2 * LENGTH, np.int32)
+  for shard, block in enumerate(mask.reshape(4, -1)):
+    (real,) = np.nonzero(block)
+    local_rows[shard, :len(real)] = real
+
+  def loss(x, kernel, bias, sebp):
+    if sebp:
+      y = sebp_linear(x, kernel, bias, top_n=24, overflow="nan", backend=backend,
+                      active_rows=jnp.asarray(local_rows.reshape(-1)))
+    else:
+      y = x @ kernel + bias
+    return _masked_loss(y, mask)
+
+  want = jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias, False)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    xs = _put(x, mesh, P("data"))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    if axis_type == AxisType.Auto:
+      grad = jax.jit(jax.grad(lambda x, k, b: _masked_loss(sebp_linear(
+          x, k, b, top_n=24, overflow="nan", backend=backend, batch_axes="data",
+          active_rows=jnp.asarray(local_rows.reshape(-1))), mask), argnums=(0, 1, 2)))
+      got = grad(xs, kernel, bias)
+    else:
+      got = grad(xs, kernel, bias, True)
+  assert_every_gradient_close(got, want, rtol=2e-5)
+
+  ids = jax.random.randint(keys[3], (BATCH, LENGTH), 0, 50)
+  table = jax.random.normal(keys[0], (50, FEATURES))
+
+  def embed_loss(table, sebp):
+    rows = (sebp_embed_lookup(table, ids_in, top_n=24, overflow="nan", batch_axes="data",
+                              active_rows=jnp.asarray(local_rows.reshape(-1)))
+            if sebp else jnp.take(table, ids_in, axis=0))
+    return _masked_loss(rows, mask)
+
+  if axis_type == AxisType.Auto:  # Under Explicit a lookup of split ids needs out_sharding.
+    ids_in = ids
+    want_table = jax.grad(embed_loss)(table, False)
+    with jax.set_mesh(mesh):
+      ids_in = _put(ids, mesh, P("data"))
+      got_table = jax.jit(jax.grad(embed_loss), static_argnums=1)(table, True)
+    np.testing.assert_allclose(got_table, want_table, rtol=2e-5, atol=1e-5)
+
+
+def test_top_n_counts_per_shard():
+  """An int top_n is each shard's capacity: enough for the fullest shard is exact even when
+  the batch holds more real tokens; one fewer makes a host mask raise."""
+  model, params, inputs = _linen_case(AxisType.Auto)
+  mask = _mask(3)
+  per_shard = int(shard_row_counts(mask, 4).max())
+  assert per_shard == token_capacity(mask, multiple=1, num_shards=4)
+  assert per_shard < mask.sum()
+  want = _step(model, lambda m: None)(params, inputs, mask)
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    args = (params, *_put((inputs, mask), mesh, P("data")))
+    sebp = _step(model, lambda m: dict(active_mask=m, top_n=per_shard, overflow="nan",
+                                       batch_axes="data"))
+    assert_every_gradient_close(sebp(*args), want, rtol=2e-5)
+    too_small = _step(model, lambda m: dict(active_mask=mask, top_n=per_shard - 1,
+                                            overflow="nan", batch_axes="data"))
+    with pytest.raises(ValueError, match=f"more than top_n={per_shard - 1}"):
+      too_small(*args)
+
+
+def test_auto_capacity_from_a_host_mask_is_the_fullest_shards_rung():
+  """"auto" with a host mask: every shard runs the rung that holds the fullest shard's real
+  tokens (the row log's capacity), not the whole batch's."""
+  model, params, inputs = _linen_case(AxisType.Auto)
+  mask = np.zeros((BATCH, LENGTH), bool)
+  mask[:2, :3] = True  # The first shard: 6 real tokens of its 32 rows; the others none.
+  log = RowLog()
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    args = (params, *_put((inputs, mask), mesh, P("data")))
+    sebp = _step(model, lambda m: dict(active_mask=mask, batch_axes="data", row_log=log))
+    jax.block_until_ready(sebp(*args))
+  records = log.records
+  assert records and {r["capacity"] for r in records} == {8}  # T/4 of a shard's 32 rows.
+  assert sorted(r["active"] for r in records if r["layer"] == "Dense_0") == [0, 0, 0, 6]
+
+
+def test_a_nan_row_in_one_shard_stays_visible():
+  keys = jax.random.split(jax.random.key(4), 2)
+  x = jax.random.normal(keys[0], (BATCH, LENGTH, FEATURES))
+  kernel = jax.random.normal(keys[1], (FEATURES, 8))
+  dy = jnp.zeros((BATCH, LENGTH, 8)).at[5, 3].set(jnp.nan).at[0, 0].set(1.0)
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    _, vjp = jax.vjp(lambda x, k: sebp_linear(x, k, top_n=8, overflow="drop", backend="xla",
+                                              batch_axes="data"), _put(x, mesh, P("data")),
+                     kernel)
+    dx, dkernel = vjp(_put(dy, mesh, P("data")))
+  assert np.isnan(np.asarray(dkernel)).all()
+  assert np.isnan(np.asarray(dx[5, 3])).all() and np.isfinite(np.asarray(dx[:4])).all()
+
+
+class _NNXTagger(nnx.Module):
+
+  def __init__(self, rngs, with_embed):
+    self.embed = nnx.Embed(50, FEATURES, rngs=rngs) if with_embed else None
+    self.up = nnx.Linear(FEATURES, 64, rngs=rngs)
+    self.heads = nnx.Einsum("btd,dnh->btnh", (64, 2, 8), (2, 8), rngs=rngs)
+
+  def __call__(self, inputs):
+    h = self.embed(inputs) if self.embed is not None else inputs
+    return self.heads(nnx.gelu(self.up(h)))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_index", "per_layer"])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared):
+  explicit = axis_type == AxisType.Explicit
+  _, _, inputs = _linen_case(axis_type)
+  model = _NNXTagger(nnx.Rngs(0), with_embed=not explicit)
+  mask = _mask(5)
+
+  def loss(model, inputs, mask, sebp):
+    if not sebp:
+      return _masked_loss(model(inputs).reshape(BATCH, LENGTH, -1), mask)
+    options = dict(active_mask=mask, top_n=32, overflow="nan") if shared else dict(top_n=16)
+    with sebp_nnx.use_sebp(model, backend="xla", batch_axes=None if explicit else "data",
+                           **options) as report:
+      outputs = model(inputs)
+    assert len(report.per_shard) == len(report.swapped) + len(report.embeddings) == 3 - explicit
+    return _masked_loss(outputs.reshape(BATCH, LENGTH, -1), mask)
+
+  def grads(model, *args, sebp):
+    return nnx.state(nnx.grad(loss)(model, *args, sebp), nnx.Param)
+
+  want = grads(model, inputs, mask, sebp=False)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    args = _put((inputs, mask), mesh, P("data"))
+    step = nnx.jit(grads, static_argnames="sebp")
+    assert_every_gradient_close(step(model, *args, sebp=True), want, rtol=2e-5)
+    graphdef, state = nnx.split(model)
+
+    def compiled(sebp):
+      pure = jax.jit(lambda state, *args: grads(nnx.merge(graphdef, state), *args, sebp=sebp))
+      return collective_counts(pure.lower(state, *args).compile())
+    assert compiled(True) == compiled(False)
+
+
+def test_errors_name_the_argument():
+  mask = _mask()
+  x = jnp.ones((BATCH, LENGTH, FEATURES))
+  kernel = jnp.ones((FEATURES, 4))
+  with pytest.raises(ValueError, match="batch_axes=.*needs a mesh"):
+    sebp_linear(x, kernel, batch_axes="data")
+  mesh = _mesh(AxisType.Auto)
+  with pytest.raises(ValueError, match=r"names axes \['model'\]"):
+    sebp_linear(x, kernel, batch_axes="model", mesh=mesh)
+  with pytest.raises(ValueError, match="batch_axes must be a mesh axis name"):
+    sebp_linear(x, kernel, batch_axes=3, mesh=mesh)
+  with pytest.raises(ValueError, match="give batch_axes too"):
+    use_sebp(mesh=mesh)
+  with pytest.raises(ValueError, match=r"packed=True\) packs the whole batch"):
+    with use_sebp(active_mask=mask, packed=True, top_n=128, batch_axes="data", mesh=mesh):
+      pass
+  explicit = _mesh(AxisType.Explicit, (2, 2), ("data", "model"))
+  with jax.set_mesh(explicit):
+    split = jax.device_put(x, NamedSharding(explicit, P("data")))
+    with pytest.raises(ValueError, match="disagrees with the sharding"):
+      row_sharding(split, 2, batch_axes=("model",))
+  # An index of each shard's rows is one block per shard, sentinel a shard's row count.
+  per_shard_index = np.tile(np.r_[np.arange(20), np.full(4, 32)], 4)
+  with pytest.raises(ValueError, match="sentinel 128"):
+    sebp_linear(x, kernel, active_rows=per_shard_index)
+  sebp_linear(x, kernel, active_rows=per_shard_index, batch_axes="data", mesh=mesh)
+  with pytest.raises(ValueError, match=r"sentinel 32 in unused slots \(in each shard\)"):
+    sebp_linear(x, kernel, active_rows=per_shard_index[::-1].copy(), batch_axes="data",
+                mesh=mesh)
+  # Rows the shards do not divide evenly select over the whole batch.
+  assert row_sharding(jnp.ones((3, 4, 2)), 2, batch_axes=("data",), mesh=mesh) is None
+
+
+def test_auto_mesh_without_batch_axes_warns(caplog):
+  model, params, inputs = _linen_case(AxisType.Auto)
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh), caplog.at_level(logging.WARNING, logger="sebp_jax"):
+    jax.eval_shape(_step(model, lambda m: dict(active_mask=m)), params, inputs, _mask())
+  assert "no batch_axes" in caplog.text
+
+
+GPUS = [device for device in jax.devices() if device.platform == "gpu"]
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("case", ["shared_traced", "per_layer"])
+def test_data_parallel_on_gpus(case, backend):
+  """The Linen tagger data parallel on 2 GPUs (each with half the batch): one device's
+  gradient, and the dense step's collectives."""
+  model, params, inputs = _linen_case(AxisType.Auto)
+  mask = _mask()
+  want = _step(model, lambda m: None)(params, inputs, mask)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=GPUS[:2])
+  args = (_put(params, mesh, P()), *_put((inputs, mask), mesh, P("data")))
+
+  def options_of(traced_mask):
+    options = (dict(active_mask=traced_mask, overflow="nan",
+                    top_n=token_capacity(mask, multiple=8, num_shards=2))
+               if case == "shared_traced" else dict(top_n=16))
+    return dict(options, batch_axes="data", mesh=mesh, backend=backend)
+
+  def loss(params, inputs, mask, sebp):
+    if not sebp:
+      return _masked_loss(model.apply(params, inputs), mask)
+    with use_sebp(**options_of(mask)):
+      return _masked_loss(model.apply(params, inputs), mask)
+
+  sebp = jax.jit(jax.grad(loss), static_argnums=3)
+  assert_every_gradient_close(sebp(*args, True), want, rtol=2e-5)
+  assert (collective_counts(sebp.lower(*args, True).compile())
+          == collective_counts(sebp.lower(*args, False).compile()))
