@@ -50,7 +50,8 @@ Modes:
     python -m benchmarks.model --model bert --tiny     # a CPU smoke run at toy sizes
     python -m benchmarks.model --model bert --devices 1,2 --modes dense,sebp_shared,bound
 
-The NNX model runs the modes of :data:`NNX_MODES` (no packing) in bfloat16. Tunix's Llama
+The NNX model runs the modes of :data:`NNX_MODES` in bfloat16 (``sebp_packed``: its inputs
+packed by :func:`sebp_jax.pack_decoder_inputs`, no layer swapped). Tunix's Llama
 computes in its weights' dtype: ``llama_nnx`` keeps float32 weights and casts them in the loss
 (so every gradient of a weight takes one more pass, float32 from bfloat16, that Linen's SEBP
 layers do not take: they cast inside the op), ``llama_nnx_bf16`` keeps bfloat16 weights.
@@ -96,7 +97,7 @@ MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp
 LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head")
 #: The modes of the NNX model.
 NNX_MODES = ("dense", "sebp_layer", "sebp_layer_auto", "sebp_shared", "sebp_exact", "sebp_auto",
-             "sebp_auto_host", "sebp_floor", "bound")
+             "sebp_auto_host", "sebp_floor", "bound", "sebp_packed")
 FLOOR_ROWS = 16
 
 
@@ -326,7 +327,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
   mode = mode.removeprefix(LONGEST)
   sharding = sharding or {}
   if SETUPS[kind].nnx:
-    return make_nnx_loss(model, mode, top_n, backend, host_mask, sharding)
+    return make_nnx_loss(model, mode, top_n, backend, host_mask, sharding, capacity)
 
   def context(batch):
     mask = batch["attention_mask"]
@@ -359,9 +360,11 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
 
 
 def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mask,
-                  sharding: dict):
+                  sharding: dict, capacity: int | None = None):
   """The loss of ``mode`` (one of :data:`NNX_MODES`) of the NNX Llama, a function of its
-  params, computed in bfloat16."""
+  params, computed in bfloat16; ``sebp_packed`` runs it on the real tokens packed into
+  ``capacity`` slots (:func:`sebp_jax.pack_decoder_inputs`: Tunix's Llama takes its positions
+  and attention mask as inputs)."""
   from examples.pretrained import tunix_logits
 
   def loss_fn(params, batch):
@@ -375,9 +378,10 @@ def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mas
       context = sebp_nnx.use_sebp(module, **options)
     else:
       context = contextlib.nullcontext()
+    packed = capacity if mode == "sebp_packed" else None
     with context:
-      logits = tunix_logits(module, batch["input_ids"], mask)
-    return masked_causal_lm_loss(logits, batch["input_ids"], mask)
+      logits = tunix_logits(module, batch["input_ids"], mask, capacity=packed)
+    return masked_causal_lm_loss(logits, batch["input_ids"], mask, capacity=packed)
   return loss_fn
 
 

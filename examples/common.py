@@ -25,10 +25,10 @@ LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
                         max_length: int, learning_rate: float, weight_decay: float,
                         timing_repeats: int, out: str, extra=None,
-                        packing: bool = True) -> argparse.Namespace:
-  """The command line the examples share (defaults per example) of the example run as
-  ``python -m module``; ``extra(parser)`` adds more; ``packing`` offers ``--packed``. Every
-  count must be positive."""
+                        packed: bool = True) -> argparse.Namespace:
+  """The command line the examples share (defaults per example, ``packed`` that of
+  ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more.
+  Every count must be positive."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -48,15 +48,14 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                       help="folder holding sst2/ and wikitext2/")
   parser.add_argument("--out", type=pathlib.Path, default=out,
                       help="folder for the plot and summary.json")
-  if packing:
-    parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                        help="the SEBP run also packs the model's layers onto the real tokens "
-                             "(use_sebp(packed=True)): padding costs nothing in the whole step")
+  parser.add_argument("--packed", action=argparse.BooleanOptionalAction, default=packed,
+                      help="the second run packs the model's layers onto the real tokens "
+                           "(use_sebp(packed=True); in NNX, pack_decoder_inputs): padding "
+                           "costs nothing in the whole step")
   parser.add_argument("--row-log", action="store_true",
                       help="log, per step and layer, what the SEBP backward did (active and "
                            "kept rows, capacity, share of dY's norm dropped) and print it"
-                           + ("; packed, only the layers outside the packed stack run SEBP"
-                              if packing else ""))
+                           "; packed, only the layers outside the packed stack run SEBP")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)

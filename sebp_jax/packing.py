@@ -179,6 +179,54 @@ def attention_mask(layout: PackedLayout, *, causal: bool,
   return allowed[None, None]
 
 
+@flax.struct.dataclass
+class PackedDecoderInputs:
+  """A padded batch's real tokens packed into one sequence, as the inputs of a decoder that
+  takes token positions and an attention mask (Tunix's NNX Llama 3 and most NNX decoders):
+  packing them needs no change to the model, only to its inputs.
+
+  Attributes:
+    layout: where each token sits (:class:`PackedLayout`).
+    input_ids: ``[1, C]``, the real tokens; filler slots 0.
+    positions: ``int32[1, C]``, each token's position in the padded batch.
+    attention_mask: ``bool[1, C, C]``: causal within each row of the batch (and the window);
+      filler attends to filler only.
+  """
+  layout: PackedLayout
+  input_ids: Array
+  positions: Array
+  attention_mask: Array
+
+  def unpack(self, outputs: Array) -> Array:
+    """The decoder's ``[1, C, ...]`` outputs back at ``[B, L, ...]``, zeros at padding (all
+    NaN where the batch overflowed the capacity)."""
+    return scatter_tokens(outputs, self.layout)
+
+
+def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
+                        positions: Array | None = None,
+                        window: int | None = None) -> PackedDecoderInputs:
+  """The real tokens of ``input_ids: [B, L]`` (``mask != 0``) packed into ``capacity`` slots,
+  with their positions and a per-row causal attention mask, for a decoder called as
+  ``model(input_ids, positions, ..., attention_mask)``.
+
+  The decoder then computes on ``C`` rows instead of ``B * L``, forward and backward, and its
+  outputs at real tokens equal those of the padded batch: every layer but attention acts row
+  by row, and the mask keeps attention within each row. ``positions`` default to each
+  token's index among its row's real tokens (its column, for right padding); give the padded
+  call's own if it uses others. ``window``: sliding-window attention. Pick ``capacity`` on
+  the host (:func:`token_capacity`); a batch with more real tokens unpacks to NaN.
+  """
+  layout = pack_layout(mask, capacity)
+  if positions is None:
+    real = jnp.asarray(mask) != 0
+    positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
+  return PackedDecoderInputs(
+      layout=layout, input_ids=gather_tokens(jnp.asarray(input_ids), layout),
+      positions=gather_tokens(jnp.asarray(positions, jnp.int32), layout),
+      attention_mask=attention_mask(layout, causal=True, window=window)[0])
+
+
 def fused_attention_implementation(query: Array) -> str:
   """``"cudnn"`` (flash attention) where it runs on A100 and H100 alike: an NVIDIA GPU, 16-bit
   inputs, a head size that is a multiple of 8 up to 128, an even sequence length (cuDNN's

@@ -93,3 +93,47 @@ def test_a_dropped_row_changes_the_gradient():
   kernel = lambda g: np.asarray(g.layers[0].mlp.up_proj.kernel[...])
   assert not np.allclose(kernel(fewer), kernel(want), rtol=1e-4)
   assert jnp.isfinite(kernel(fewer)).all()
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "holes"])
+def test_packed_inputs_give_the_padded_logits_and_gradients(padding):
+  """Tunix's Llama on the real tokens only (`pack_decoder_inputs`, through `tunix_logits`
+  with a capacity): the padded batch's logits at real tokens, zeros at padding, and the
+  loss's gradient; with SEBP on the packed rows too."""
+  model = _tiny_llama(weight_tying=True, remat="BLOCK")
+  ids, mask = _batch(3)
+  if padding == "left":
+    ids, mask = ids[:, ::-1].copy(), mask[:, ::-1].copy()
+  elif padding == "holes":
+    mask[:, 1] = 0
+    ids = ids * mask
+  capacity = int(mask.sum()) + 5  # Filler slots too.
+  padded = tunix_logits(model, ids, mask)
+  packed = tunix_logits(model, ids, mask, capacity=capacity)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(packed[real], padded[real], rtol=1e-5, atol=1e-5)
+  assert not np.any(packed[~real])
+
+  def packed_loss(model):
+    logits = tunix_logits(model, ids, mask, capacity=capacity)
+    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+
+  want = nnx.state(nnx.grad(_loss)(model, ids, mask), nnx.Param)
+  assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_loss))(model), nnx.Param),
+                              want)
+
+  def packed_sebp_loss(model):
+    with sebp_nnx.use_sebp(model, top_n=capacity, lm_head=True, backend="xla") as report:
+      logits = tunix_logits(model, ids, mask, capacity=capacity)
+    assert len(report.swapped) == 14  # Tied: the LM head is the embedding's decode.
+    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+
+  assert_every_gradient_close(nnx.state(nnx.grad(packed_sebp_loss)(model), nnx.Param), want)
+
+
+def test_packed_inputs_overflowing_the_capacity_give_nan():
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(4)
+  logits = nnx.jit(lambda m, ids, mask: tunix_logits(m, ids, mask, capacity=4))(
+      model, ids, mask)
+  assert np.isnan(np.asarray(logits)).all()

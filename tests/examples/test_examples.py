@@ -9,8 +9,7 @@ from examples import finetune_bert_sst2, finetune_llama, finetune_llama_nnx
 from examples.common import max_loss_difference, time_forward_backward
 from examples.datasets import DATA_DIR
 
-PACKING_EXAMPLES = [finetune_bert_sst2, finetune_llama]
-EXAMPLES = [*PACKING_EXAMPLES, finetune_llama_nnx]
+EXAMPLES = [finetune_bert_sst2, finetune_llama, finetune_llama_nnx]
 
 
 def test_llama_example_lm_head_flag():
@@ -18,16 +17,13 @@ def test_llama_example_lm_head_flag():
   assert not finetune_llama.parse_args(["--no-lm-head"]).lm_head
 
 
-@pytest.mark.parametrize("example", PACKING_EXAMPLES, ids=lambda example: example.__name__)
-def test_examples_pack_unless_told_not_to(example):
-  assert example.parse_args([]).packed
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
+def test_packing_is_a_flag(example):
+  """The Linen examples pack unless told not to; the NNX one packs when told to (its batches
+  are full enough that the packed attention costs more than the padding it saves)."""
+  assert example.parse_args([]).packed == (example is not finetune_llama_nnx)
   assert not example.parse_args(["--no-packed"]).packed
-
-
-def test_the_nnx_example_has_no_packing():
-  assert not hasattr(finetune_llama_nnx.parse_args([]), "packed")
-  with pytest.raises(SystemExit):
-    finetune_llama_nnx.parse_args(["--no-packed"])
+  assert example.parse_args(["--packed"]).packed
 
 
 def test_counts_must_be_positive(capsys):
@@ -90,15 +86,16 @@ def test_the_bert_example_shows_the_row_log(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_nnx_example_trains_dense_and_sebp_alike(tmp_path):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "sebp"])
+def test_the_nnx_example_trains_dense_and_sebp_alike(tmp_path, packed):
   """A short run of the NNX fine-tune: both runs from the same weights, the same losses (every
-  dropped row of dY is zero), the summary and plot written."""
+  dropped row of dY is zero; packed, the same rows), the summary and plot written."""
   summary = finetune_llama_nnx.main([
       "--steps", "2", "--batch-size", "2", "--max-length", "32", "--timing-repeats", "1",
-      "--row-log", "--out", str(tmp_path)])
-  assert summary["max_loss_difference"] < 1e-4
+      "--row-log", "--out", str(tmp_path), "--packed" if packed else "--no-packed"])
+  assert summary["max_loss_difference"] < 1e-4 and summary["packed"] == packed
   assert len(summary["losses"]["sebp"]) == 2
   assert summary["losses"]["dense"][0] == pytest.approx(summary["losses"]["sebp"][0], rel=1e-5)
   layers = [line for line in summary["row_log"].splitlines() if line.startswith("layers/")]
-  assert len(layers) == 30 * 7
+  assert len(layers) == (0 if packed else 30 * 7)  # Packed, no layer needs SEBP.
   assert (tmp_path / "summary.json").is_file() and (tmp_path / "loss_curves.png").is_file()
