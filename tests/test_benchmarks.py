@@ -117,7 +117,9 @@ def test_data_parallel_modes_give_the_one_device_gradient(kind):
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
   mesh = model.data_parallel_mesh(2)
   split = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  for mode in ("sebp_shared", "sebp_auto_host", "sebp_layer_auto"):
+  # The NNX Llama's slower to compile: its modes apart from Linen's are tested elsewhere.
+  modes = ("sebp_shared",) if setup.nnx else ("sebp_shared", "sebp_auto_host", "sebp_layer_auto")
+  for mode in modes:
     loss_fn = model.make_loss(kind, net, mode, top_n, "xla", host_mask=batch["attention_mask"],
                               sharding=dict(batch_axes="data", mesh=mesh))
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(net.params, split)
