@@ -74,9 +74,6 @@ class RowSharding:
     """The spec of an array of rows: its first dimension split, the others whole."""
     return P(self.axes, *(None,) * (ndim - 1))
 
-  def describe(self) -> str:
-    return f"rows split over mesh axes {self.axes} ({self.num_shards} shards)"
-
 
 def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
   """``(mesh, axes)`` of the ``Explicit`` mesh axes that split ``x``'s first dimension
