@@ -1,86 +1,164 @@
-"""Where the backward time goes: a device trace of the model benchmark's gradient, per op.
+"""Where the gradient's time goes: a device trace of the model benchmark's gradient, per op.
 
-    python -m benchmarks.profile_model --model bert --modes dense,sebp_shared --out prof.json
+    python -m benchmarks.profile_model --model llama --model llama_nnx_bf16 \\
+        --modes dense,sebp_shared,bound --out prof.json
 
-Traces ``--iterations`` calls of the jitted gradient for each mode (set up exactly as in
-``benchmarks.model``), reads the trace back with ``jax.profiler.ProfileData`` and prints, per
-mode, the device time summed by XLA op / kernel name, largest first.
+Traces ``--iterations`` calls of the jitted gradient for each model and mode (set up exactly as
+in ``benchmarks.model``), reads the trace back with ``jax.profiler.ProfileData`` and sums the
+time of each XLA op (a GPU kernel, a CPU thunk) under the JAX op it came from: the op name in
+the compiled HLO's metadata, such as ``transpose(jvp(...))/model/layers/*/mlp/up_proj/
+dot_general``, with layer numbers folded into ``*`` so that each layer kind is one row
+(``--by kernel`` keeps XLA's kernel names instead). Prints, per model, a table of the largest
+rows with one column per mode, and writes every row with ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import functools
-import json
-import pathlib
-import tempfile
+import os
 
-import jax
-import jax.numpy as jnp
+# A GPU kernel names its HLO instruction in the trace only outside command buffers (CUDA
+# graphs); set before JAX starts its backends.
+if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_enable_command_buffer=").strip()
 
-from benchmarks.harness import parse_subset
-from benchmarks.model import MODES, SETUPS, build_model, make_batch, make_loss, setup_for
-from sebp_jax.implementations import implementation_names
-from sebp_jax.packing import token_capacity
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.harness import parse_subset  # noqa: E402
+from benchmarks.model import MODES, SETUPS, build_model, make_batch, make_loss, setup_for  # noqa: E402
+from sebp_jax.implementations import implementation_names  # noqa: E402
+from sebp_jax.packing import token_capacity  # noqa: E402
+
+_COMPUTATION = re.compile(r"(?:ENTRY )?%([^\s(]+) .*\{$")
+_INSTRUCTION = re.compile(r"\s*(ROOT )?%([^\s=]+) = ")
+_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%([^\s,]+)")
 
 
-def device_time_by_name(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
-  """{line name: {event name: total ms}} over the device planes of the newest trace."""
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """{HLO instruction name: the JAX op name in its metadata} of a compiled module's text; a
+  fusion without metadata of its own takes that of its computation's root."""
+  op_names, calls, computation_op = {}, {}, {}
+  computation = None
+  for line in hlo_text.splitlines():
+    if (header := _COMPUTATION.match(line)) is not None:
+      computation = header.group(1)
+      continue
+    if (instruction := _INSTRUCTION.match(line)) is None:
+      continue
+    name, op_name = instruction.group(2), _OP_NAME.search(line)
+    if op_name is not None:
+      op_names[name] = op_name.group(1)
+      if instruction.group(1) or computation not in computation_op:
+        computation_op[computation] = op_name.group(1)
+    elif (called := _CALLS.search(line)) is not None:
+      calls[name] = called.group(1)
+  for name, called in calls.items():
+    if called in computation_op:
+      op_names[name] = computation_op[called]
+  return op_names
+
+
+def op_row(op_name: str) -> str:
+  """The table row of a JAX op name: without the ``jit(...)/`` prefix, layer numbers folded."""
+  op_name = re.sub(r"^jit\([^)]*\)/", "", op_name)
+  return re.sub(r"/\d+/", "/*/", op_name)
+
+
+def device_time(trace_dir: pathlib.Path, op_names: dict[str, str] | None) -> dict[str, float]:
+  """{row: total ms} of the XLA ops in the newest trace under ``trace_dir``: device kernels
+  (GPU) or the host's XLA thunks (CPU), the events that name an HLO instruction. Rows are JAX
+  op names (``op_names``: instruction -> op name; an instruction without one keeps its own
+  name in brackets) or, with ``op_names=None``, the kernels' names."""
   (path,) = sorted(trace_dir.rglob("*.xplane.pb"))[-1:]
   data = jax.profiler.ProfileData.from_file(str(path))
-  totals: dict[str, dict[str, float]] = collections.defaultdict(collections.Counter)
+  totals: dict[str, float] = collections.Counter()
   for plane in data.planes:
-    if not plane.name.startswith("/device:"):
-      continue
     for line in plane.lines:
       for event in line.events:
-        totals[line.name][event.name] += event.duration_ns / 1e6
+        instruction = dict(event.stats).get("hlo_op")
+        if instruction is None:
+          continue
+        if op_names is None:
+          row = event.name
+        elif instruction in op_names:
+          row = op_row(op_names[instruction])
+        else:
+          row = f"[{instruction}]"
+        totals[row] += event.duration_ns / 1e6
   return totals
 
 
-def main(argv=None):
+def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: str):
+  """{mode: {row: ms per gradient}} for the model benchmark's ``kind``."""
+  setup = setup_for(kind, tiny)
+  model = build_model(kind, tiny, jnp.bfloat16)
+  batch = make_batch(kind, model, setup, 0)
+  top_n = int(batch["attention_mask"].sum())
+  report = {}
+  for mode in modes:
+    loss_fn = make_loss(kind, model, mode, top_n, backend,
+                        token_capacity(batch["attention_mask"]))
+    grad = jax.jit(jax.grad(loss_fn)).lower(model.params, batch).compile()
+    op_names = hlo_op_names(grad.as_text()) if by == "op" else None
+    jax.block_until_ready(grad(model.params, batch))
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        for _ in range(iterations):
+          jax.block_until_ready(grad(model.params, batch))
+      totals = device_time(pathlib.Path(trace_dir), op_names)
+    report[mode] = {row: ms / iterations for row, ms in totals.items()}
+  return report
+
+
+def print_table(kind: str, report: dict[str, dict[str, float]], top: int) -> None:
+  modes = list(report)
+  print(f"== {kind}: ms per gradient")
+  print("  ".join(f"{m[:12]:>12}" for m in modes) + "  op")
+  print("  ".join(f"{sum(report[m].values()):12.2f}" for m in modes) + "  (all)")
+  rows = {row for ms in report.values() for row in ms}
+  for row in sorted(rows, key=lambda r: -max(report[m].get(r, 0.0) for m in modes))[:top]:
+    print("  ".join(f"{report[m].get(row, 0.0):12.3f}" for m in modes) + f"  {row[:120]}")
+
+
+def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_model",
                                    description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", choices=sorted(SETUPS), default="bert", help="model to trace")
+  parser.add_argument("--model", choices=sorted(SETUPS), action="append",
+                      help="model(s) to trace (default: bert)")
   parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
                       default=["dense", "sebp_shared"],
                       help=f"comma-separated subset of {','.join(MODES)}")
   parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
+  parser.add_argument("--by", choices=("op", "kernel"), default="op",
+                      help="rows: JAX op names (layer numbers folded) or XLA kernel names")
   parser.add_argument("--iterations", type=int, default=3, help="gradients traced per mode")
-  parser.add_argument("--top", type=int, default=25, help="ops listed per mode, largest first")
+  parser.add_argument("--top", type=int, default=30, help="rows printed per model")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
-  parser.add_argument("--out", default=None, help="write the report here as JSON")
+  parser.add_argument("--out", default=None, help="write every row as JSON here")
   args = parser.parse_args(argv)
-
-  setup = setup_for(args.model, args.tiny)
-  model = build_model(args.model, args.tiny, jnp.bfloat16)
-  batch = make_batch(args.model, model, setup, 0)
-  top_n = int(batch["attention_mask"].sum())
+  if args.iterations <= 0:
+    parser.error("--iterations must be positive")
   report = {}
-  for mode in args.modes:
-    loss_fn = make_loss(args.model, model, mode, top_n, args.backend,
-                        token_capacity(batch["attention_mask"]))
-    grad = jax.jit(jax.grad(loss_fn))
-    jax.block_until_ready(grad(model.params, batch))
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir):
-        for _ in range(args.iterations):
-          jax.block_until_ready(grad(model.params, batch))
-      totals = device_time_by_name(pathlib.Path(trace_dir))
-    report[mode] = {}
-    for line, events in totals.items():
-      total = sum(events.values()) / args.iterations
-      top = sorted(events.items(), key=lambda kv: -kv[1])[:args.top]
-      report[mode][line] = {"total_ms": total,
-                            "top": [(name, ms / args.iterations) for name, ms in top],
-                            "count": len(events)}
-      print(f"== {mode} / {line}: {total:.2f} ms per gradient, {len(events)} distinct names")
-      for name, ms in top:
-        print(f"  {ms / args.iterations:8.3f} ms  {name[:110]}")
+  for kind in args.model or ["bert"]:
+    report[kind] = profile(kind, args.modes, iterations=args.iterations, backend=args.backend,
+                           tiny=args.tiny, by=args.by)
+    print_table(kind, report[kind], args.top)
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    pathlib.Path(args.out).write_text(json.dumps(
+        {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+         "by": args.by, "iterations": args.iterations, "models": report}, indent=1))
+  return report
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ No timing is asserted: speed claims live in benchmarks/RESULTS.md, measured on a
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import harness, layer, model, selection, tune_blocks
+from benchmarks import harness, layer, model, profile_model, selection, tune_blocks
 from sebp_jax.packing import token_capacity
 from sebp_jax.sharding import shard_row_counts
 
@@ -262,3 +263,41 @@ def test_harness_timer_and_parsers():
                       (lambda t: harness.parse_subset(t, ("dx", "dw")), "dx,dx")):
     with pytest.raises(harness.argparse.ArgumentTypeError, match="expected"):
       parse(text)
+
+
+def test_profile_model_attributes_time_to_jax_ops(tmp_path):
+  """The trace's XLA ops are summed under the JAX ops they came from, one row per layer kind:
+  the SEBP backward's index sort and scatter of dX rows appear under a swapped layer."""
+  out = tmp_path / "prof.json"
+  report = profile_model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared",
+                               "--iterations", "1", "--out", str(out)])["bert"]
+  for mode in ("dense", "sebp_shared"):
+    assert sum(report[mode].values()) > 0
+    assert not any(re.search(r"/\d+/", row) for row in report[mode])  # Layers folded.
+  def backward_ops(mode):  # The JAX ops of one swapped layer kind's backward.
+    return {row.rsplit("/", 1)[1] for row in report[mode]
+            if row.startswith("transpose(") and "/layer/*/intermediate/dense/" in row}
+  assert "dot_general" in backward_ops("dense") & backward_ops("sebp_shared")
+  assert {"sort", "scatter"} <= backward_ops("sebp_shared") - backward_ops("dense")
+  assert json.loads(out.read_text())["models"]["bert"].keys() == {"dense", "sebp_shared"}
+
+
+def test_profile_model_reads_op_names_from_the_hlo():
+  hlo = """%fused_computation.7 (param_0: bf16[4,8]) -> bf16[4,8] {
+  %param_0 = bf16[4,8]{1,0} parameter(0)
+  %neg.1 = bf16[4,8]{1,0} negate(%param_0), metadata={op_name="jit(f)/first"}
+  ROOT %mul.2 = bf16[4,8]{1,0} multiply(%neg.1, %neg.1), metadata={op_name="jit(f)/root"}
+}
+
+ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
+  %fusion.3 = bf16[4,8]{1,0} fusion(%p), kind=kLoop, calls=%fused_computation.7
+  %fusion.4 = bf16[4,8]{1,0} fusion(%fusion.3), kind=kLoop, calls=%fused_computation.7, metadata={op_name="jit(loss_fn)/transpose(jvp(M))/layers/12/mlp/dot_general" source_file="x.py"}
+  ROOT %custom-call.1 = f32[2]{0} custom-call(%fusion.4), metadata={op_name="jit(f)/q_proj/dot_general"}
+  %no_metadata = f32[] add(%a, %b)
+}
+"""
+  names = profile_model.hlo_op_names(hlo)
+  assert names == {"neg.1": "jit(f)/first", "mul.2": "jit(f)/root", "fusion.3": "jit(f)/root",
+                   "fusion.4": "jit(loss_fn)/transpose(jvp(M))/layers/12/mlp/dot_general",
+                   "custom-call.1": "jit(f)/q_proj/dot_general"}
+  assert profile_model.op_row(names["fusion.4"]) == "transpose(jvp(M))/layers/*/mlp/dot_general"
