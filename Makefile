@@ -19,4 +19,4 @@ demo: $(STAMP)
 	$(PYTHON) -m examples.finetune_bert_sst2
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2

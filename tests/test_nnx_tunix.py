@@ -15,9 +15,9 @@ from tests.model_testing import assert_every_gradient_close
 llama3 = tunix_llama3()
 
 
-def _tiny_llama(weight_tying: bool, remat: str):
+def _tiny_llama(weight_tying: bool, remat: str, vocab_size: int = 96):
   config = llama3.ModelConfig(
-      num_layers=2, vocab_size=96, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+      num_layers=2, vocab_size=vocab_size, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
       num_kv_heads=2, rope_theta=10000, norm_eps=1e-5, weight_tying=weight_tying,
       remat_config=llama3.RematConfig[remat])
   model = llama3.Llama3(config, rngs=nnx.Rngs(0))
