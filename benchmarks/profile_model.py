@@ -46,7 +46,8 @@ _CALLS = re.compile(r"calls=%([^\s,]+)")
 
 def hlo_op_names(hlo_text: str) -> dict[str, str]:
   """{HLO instruction name: the JAX op name in its metadata} of a compiled module's text; a
-  fusion without metadata of its own takes that of its computation's root."""
+  fusion without metadata of its own takes that of its computation's root (or, where the
+  root has none, of its first instruction that has one)."""
   op_names, calls, computation_op = {}, {}, {}
   computation = None
   for line in hlo_text.splitlines():
