@@ -8,7 +8,8 @@ step (median of ``--repeats``), and the peak device memory of the compiled step 
 analysis: arguments + outputs + temporaries - aliased).
 
 With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
-of ``Auto`` type; ``--fsdp`` splits the weight matrices too): every device gets the setup's
+of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
+at its start, as ZeRO-3 does): every device gets the setup's
 batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
 tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing is left out there.
@@ -412,6 +413,18 @@ def param_shardings(params, mesh, fsdp: bool):
   return jax.tree.map(spec, params)
 
 
+def gathering_params(loss_fn, mesh):
+  """``loss_fn`` of params split FSDP-style, gathering them whole as its first step (their
+  gradients come back reduced and split by its transpose), as ZeRO-3 does: the weights, not
+  the activations, move between devices, and the activations stay on the batch's split. Left
+  to itself, XLA may split the activations along the weights' features instead."""
+  replicated = NamedSharding(mesh, P())
+
+  def loss(params, batch):
+    return loss_fn(jax.lax.with_sharding_constraint(params, replicated), batch)
+  return loss
+
+
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
         devices: int = 1, fsdp: bool = False, baseline=()):
   """Measures each mode in turn, appending its record to ``out`` as soon as it is taken (with
@@ -452,6 +465,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     loss_fn = make_loss(kind, model, mode, top_n, backend,
                         token_capacity(host_batch["attention_mask"]),
                         host_mask=host_batch["attention_mask"], sharding=sharding)
+    if fsdp and mesh is not None:
+      loss_fn = gathering_params(loss_fn, mesh)
 
     def step(params, opt_state, batch):
       grads = jax.grad(loss_fn)(params, batch)
@@ -525,7 +540,8 @@ def main(argv=None) -> list[dict]:
                       help="comma list of device counts, each a data-parallel run with the "
                            "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
   parser.add_argument("--fsdp", action="store_true",
-                      help="on several devices, split the weight matrices over them too")
+                      help="on several devices, split the weight matrices over them too (gathered "
+                           "whole at the step's start, ZeRO-3 style)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
