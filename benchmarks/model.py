@@ -9,7 +9,7 @@ analysis: arguments + outputs + temporaries - aliased).
 
 With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
 of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
-at its start, as ZeRO-3 does): every device gets the setup's
+at its start): every device gets the setup's
 batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
 tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing is left out there.
@@ -414,10 +414,11 @@ def param_shardings(params, mesh, fsdp: bool):
 
 
 def gathering_params(loss_fn, mesh):
-  """``loss_fn`` of params split FSDP-style, gathering them whole as its first step (their
-  gradients come back reduced and split by its transpose), as ZeRO-3 does: the weights, not
-  the activations, move between devices, and the activations stay on the batch's split. Left
-  to itself, XLA may split the activations along the weights' features instead."""
+  """``loss_fn`` of params split FSDP-style, gathering them whole as its first step: the
+  weights, not the activations, move between devices, and the activations stay on the
+  batch's split (left to itself, XLA may split them along the weights' features instead).
+  The gradients are summed over the devices; the step's ``out_shardings`` split them again.
+  Every weight stays whole through the step (unlike ZeRO-3, which gathers layer by layer)."""
   replicated = NamedSharding(mesh, P())
 
   def loss(params, batch):
@@ -541,7 +542,7 @@ def main(argv=None) -> list[dict]:
                            "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
   parser.add_argument("--fsdp", action="store_true",
                       help="on several devices, split the weight matrices over them too (gathered "
-                           "whole at the step's start, ZeRO-3 style)")
+                           "whole at the step's start)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes

@@ -7,36 +7,50 @@ Traces ``--iterations`` calls of the jitted gradient for each model and mode (se
 in ``benchmarks.model``), reads the trace back with ``jax.profiler.ProfileData`` and sums the
 time of each XLA op (a GPU kernel, a CPU thunk) under the JAX op it came from: the op name in
 the compiled HLO's metadata, such as ``transpose(jvp(...))/model/layers/*/mlp/up_proj/
-dot_general``, with layer numbers folded into ``*`` so that each layer kind is one row
-(``--by kernel`` keeps XLA's kernel names instead). Prints, per model, a table of the largest
+dot_general``, with layer numbers folded into ``*`` so that each layer kind is one row where
+op names carry module paths, as Linen's do (``--by kernel`` keeps XLA's kernel names
+instead). GPU command buffers are turned off for the trace, so that every kernel names its
+instruction. Prints, per model, a table of the largest
 rows with one column per mode, and writes every row with ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import functools
+import json
+import logging
 import os
+import pathlib
+import re
+import tempfile
 
-# A GPU kernel names its HLO instruction in the trace only outside command buffers (CUDA
-# graphs); set before JAX starts its backends.
-if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_gpu_enable_command_buffer=").strip()
+import jax
+import jax.numpy as jnp
+from jax._src import xla_bridge
 
-import argparse  # noqa: E402
-import collections  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-import tempfile  # noqa: E402
+from benchmarks.harness import parse_subset
+from benchmarks.model import (LONGEST, MODES, SETUPS, build_model, cut_to_longest, make_batch,
+                              make_loss, setup_for)
+from sebp_jax.implementations import implementation_names
+from sebp_jax.packing import token_capacity
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+_COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
-from benchmarks.harness import parse_subset  # noqa: E402
-from benchmarks.model import MODES, SETUPS, build_model, make_batch, make_loss, setup_for  # noqa: E402
-from sebp_jax.implementations import implementation_names  # noqa: E402
-from sebp_jax.packing import token_capacity  # noqa: E402
+
+def turn_off_command_buffers() -> None:
+  """A GPU kernel names its HLO instruction in the trace only outside command buffers (CUDA
+  graphs): turned off for this process, which must not have started JAX's backends yet."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_enable_command_buffer" in flags:
+    return
+  if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
+    logging.warning("JAX's backends are already up: GPU kernels inside command buffers are "
+                    "reported under [command_buffer...] rows")
+    return
+  os.environ["XLA_FLAGS"] = f"{flags} {_COMMAND_BUFFERS_OFF}".strip()
+
 
 _COMPUTATION = re.compile(r"(?:ENTRY )?%([^\s(]+) .*\{$")
 _INSTRUCTION = re.compile(r"\s*(ROOT )?%([^\s=]+) = ")
@@ -70,9 +84,10 @@ def hlo_op_names(hlo_text: str) -> dict[str, str]:
 
 
 def op_row(op_name: str) -> str:
-  """The table row of a JAX op name: without the ``jit(...)/`` prefix, layer numbers folded."""
+  """The table row of a JAX op name: without the ``jit(...)/`` prefix, layer numbers folded
+  (``layers/3/`` and ``layers_3/`` into ``layers/*/`` and ``layers_*/``)."""
   op_name = re.sub(r"^jit\([^)]*\)/", "", op_name)
-  return re.sub(r"/\d+/", "/*/", op_name)
+  return re.sub(r"/(\w*?_)?\d+(?=/)", lambda m: f"/{m.group(1) or ''}*", op_name)
 
 
 def device_time(trace_dir: pathlib.Path, op_names: dict[str, str] | None) -> dict[str, float]:
@@ -107,15 +122,17 @@ def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: 
   top_n = int(batch["attention_mask"].sum())
   report = {}
   for mode in modes:
+    mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
     loss_fn = make_loss(kind, model, mode, top_n, backend,
-                        token_capacity(batch["attention_mask"]))
-    grad = jax.jit(jax.grad(loss_fn)).lower(model.params, batch).compile()
+                        token_capacity(mode_batch["attention_mask"]),
+                        host_mask=mode_batch["attention_mask"])
+    grad = jax.jit(jax.grad(loss_fn)).lower(model.params, mode_batch).compile()
     op_names = hlo_op_names(grad.as_text()) if by == "op" else None
-    jax.block_until_ready(grad(model.params, batch))
+    jax.block_until_ready(grad(model.params, mode_batch))
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
         for _ in range(iterations):
-          jax.block_until_ready(grad(model.params, batch))
+          jax.block_until_ready(grad(model.params, mode_batch))
       totals = device_time(pathlib.Path(trace_dir), op_names)
     report[mode] = {row: ms / iterations for row, ms in totals.items()}
   return report
@@ -150,6 +167,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   if args.iterations <= 0:
     parser.error("--iterations must be positive")
+  turn_off_command_buffers()
   report = {}
   for kind in args.model or ["bert"]:
     report[kind] = profile(kind, args.modes, iterations=args.iterations, backend=args.backend,

@@ -285,3 +285,4 @@ ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
                    "fusion.4": "jit(loss_fn)/transpose(jvp(M))/layers/12/mlp/dot_general",
                    "custom-call.1": "jit(f)/q_proj/dot_general"}
   assert profile_model.op_row(names["fusion.4"]) == "transpose(jvp(M))/layers/*/mlp/dot_general"
+  assert profile_model.op_row("jit(f)/a/layers_12/0/1/b/dot") == "a/layers_*/*/*/b/dot"
