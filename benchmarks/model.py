@@ -386,6 +386,16 @@ def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mas
   return loss_fn
 
 
+def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: int,
+              backend: str, sharding: dict | None = None):
+  """``(batch, loss)`` of ``mode`` as the benchmark runs it: the host batch cut to its longest
+  row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch."""
+  host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
+  mask = host_batch["attention_mask"]
+  return host_batch, make_loss(kind, model, mode, top_n, backend, token_capacity(mask),
+                               host_mask=mask, sharding=sharding)
+
+
 def peak_bytes(compiled) -> int | None:
   analysis = compiled.memory_analysis()
   if analysis is None:
@@ -461,11 +471,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     modes = [m for m in modes if m in NNX_MODES]
   rows = []
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s)", file=sys.stdout):
-    host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
+    host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend, sharding)
     mode_batch = put_batch(host_batch)
-    loss_fn = make_loss(kind, model, mode, top_n, backend,
-                        token_capacity(host_batch["attention_mask"]),
-                        host_mask=host_batch["attention_mask"], sharding=sharding)
     if fsdp and mesh is not None:
       loss_fn = gathering_params(loss_fn, mesh)
 

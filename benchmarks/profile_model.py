@@ -10,8 +10,8 @@ the compiled HLO's metadata, such as ``transpose(jvp(...))/model/layers/*/mlp/up
 dot_general``, with layer numbers folded into ``*`` so that each layer kind is one row where
 op names carry module paths, as Linen's do (``--by kernel`` keeps XLA's kernel names
 instead). GPU command buffers are turned off for the trace, so that every kernel names its
-instruction. Prints, per model, a table of the largest
-rows with one column per mode, and writes every row with ``--out``.
+instruction. Prints, per model, a table of the largest rows with one column per mode, and
+writes every row with ``--out``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import jax.numpy as jnp
 from jax._src import xla_bridge
 
 from benchmarks.harness import parse_subset
-from benchmarks.model import (LONGEST, MODES, SETUPS, build_model, cut_to_longest, make_batch,
-                              make_loss, setup_for)
+from benchmarks.model import MODES, SETUPS, build_model, make_batch, mode_loss, setup_for
 from sebp_jax.implementations import implementation_names
-from sebp_jax.packing import token_capacity
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
 
@@ -122,10 +120,7 @@ def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: 
   top_n = int(batch["attention_mask"].sum())
   report = {}
   for mode in modes:
-    mode_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
-    loss_fn = make_loss(kind, model, mode, top_n, backend,
-                        token_capacity(mode_batch["attention_mask"]),
-                        host_mask=mode_batch["attention_mask"])
+    mode_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend)
     grad = jax.jit(jax.grad(loss_fn)).lower(model.params, mode_batch).compile()
     op_names = hlo_op_names(grad.as_text()) if by == "op" else None
     jax.block_until_ready(grad(model.params, mode_batch))
