@@ -107,20 +107,32 @@ def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],
 
 
 def time_forward_backward(loss_fns: dict[str, LossFn], params: dict, batch: dict,
-                          repeats: int) -> dict[str, dict[str, float]]:
-  """Median milliseconds of the jitted forward and forward + backward of each loss, on one batch.
+                          repeats: int) -> dict[str, dict]:
+  """Milliseconds of the jitted forward and forward + backward of each loss, on one batch.
 
-  The backward is their difference. ``median_ms``'s warm-up calls absorb the compilation.
+  ``repeats`` interleaved rounds, each timing every stage once, so that a change in the
+  machine's load falls on dense and SEBP alike; per mode, each stage's median
+  (``forward_ms``, ``forward_backward_ms``, ``backward_ms``: their difference) and its rounds
+  (``rounds``: ``{stage: [ms, ...]}``). Two warm-up calls per stage absorb the compilation.
   """
   stages = [(mode, stage, jax.jit(fn)) for mode, loss_fn in loss_fns.items()
             for stage, fn in (("forward", loss_fn), ("forward_backward", jax.grad(loss_fn)))]
-  timings = {mode: {} for mode in loss_fns}
-  progress = tqdm(stages, desc="timing", unit="stage", file=sys.stdout)
+  rounds = {mode: {"forward": [], "forward_backward": []} for mode in loss_fns}
+  progress = tqdm(stages, desc="compile", unit="stage", file=sys.stdout)
   for mode, stage, fn in progress:
     progress.set_postfix_str(f"{mode} {stage.replace('_', ' + ')}")
-    timings[mode][f"{stage}_ms"] = median_ms(fn, params, batch, repeats=repeats)
-  for timing in timings.values():
-    timing["backward_ms"] = max(timing["forward_backward_ms"] - timing["forward_ms"], 1e-6)
+    for _ in range(2):
+      jax.block_until_ready(fn(params, batch))
+  for _ in tqdm(range(repeats), desc="timing", unit="round", file=sys.stdout):
+    for mode, stage, fn in stages:
+      rounds[mode][stage].append(median_ms(fn, params, batch, repeats=1, warmup=0))
+  timings = {}
+  for mode, by_stage in rounds.items():
+    by_stage["backward"] = [max(both - forward, 1e-6) for forward, both
+                            in zip(by_stage["forward"], by_stage["forward_backward"])]
+    timings[mode] = {f"{stage}_ms": float(np.median(samples))
+                     for stage, samples in by_stage.items()}
+    timings[mode]["rounds"] = by_stage
   return timings
 
 
@@ -149,15 +161,34 @@ def plot_loss_curves(losses: dict[str, list[float]], labels: dict[str, str], tit
   plt.close(fig)
 
 
-def speedups(timings: dict[str, dict[str, float]], repeats: int) -> dict[str, float]:
+def speedups(timings: dict[str, dict], repeats: int,
+             kept_fraction: float | None = None) -> dict[str, float]:
   """Prints and returns dense / SEBP time of the backward and of the gradient (forward +
-  backward) from :func:`time_forward_backward`."""
-  ratios = {stage: timings["dense"][f"{stage}_ms"] / timings["sebp"][f"{stage}_ms"]
-            for stage in ("backward", "forward_backward")}
-  print(f"time, dense / SEBP: gradient (forward + backward) {ratios['forward_backward']:.2f}x, "
-        f"backward {ratios['backward']:.2f}x ({jax.devices()[0].device_kind}, "
-        f"median of {repeats})")
+  backward) from :func:`time_forward_backward`: the median of the rounds' ratios, and
+  ``{stage}_range``, their smallest and largest."""
+  ratios = {}
+  for stage in ("backward", "forward_backward"):
+    per_round = np.divide(timings["dense"]["rounds"][stage], timings["sebp"]["rounds"][stage])
+    ratios[stage] = float(np.median(per_round))
+    ratios[f"{stage}_range"] = [float(per_round.min()), float(per_round.max())]
+  spread = lambda stage: "{:.2f}-{:.2f}x".format(*ratios[f"{stage}_range"])
+  print(f"time, dense / SEBP: gradient (forward + backward) {ratios['forward_backward']:.2f}x "
+        f"(rounds {spread('forward_backward')}), backward {ratios['backward']:.2f}x (rounds "
+        f"{spread('backward')}); {jax.devices()[0].device_kind}, median of {repeats} "
+        "interleaved rounds. Wall-clock ratios move with the machine's load: rerun to see how "
+        "much.")
+  if ratios["backward"] < 1 and kept_fraction is not None:
+    print(f"SEBP's backward is slower here: it keeps {kept_fraction:.0%} of the rows (the "
+          "fullest batch's real tokens), so it saves little of the dense matmuls and still "
+          "pays for gathering and scattering the rows. It pays where padding dominates.")
   return ratios
+
+
+def loss_trend(losses: list[float], last: int) -> str:
+  """``first -> mean of the last few`` losses, saying how many."""
+  last = min(last, len(losses))
+  return (f"loss {losses[0]:.4f} -> {np.mean(losses[-last:]):.4f} (first step -> mean of "
+          f"last {last})")
 
 
 def max_loss_difference(losses: dict[str, list[float]]) -> float:
@@ -183,12 +214,14 @@ def finish_run(args: argparse.Namespace, loss_fns: dict[str, LossFn], params, ba
   every example reports) and the plot, titled ``title`` formatted with ``gradient``, the
   gradient speedup. Returns the summary."""
   timings = time_forward_backward(loss_fns, params, batch, args.timing_repeats)
-  ratios = speedups(timings, args.timing_repeats)
+  ratios = speedups(timings, args.timing_repeats, fields.get("kept_fraction"))
   summary = {
       **fields, "steps": len(losses["dense"]), "batch_size": args.batch_size,
       "max_length": args.max_length, "learning_rate": args.learning_rate, "seed": args.seed,
       "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "backward_speedup": ratios["backward"], "gradient_speedup": ratios["forward_backward"],
+      "backward_speedup_range": ratios["backward_range"],
+      "gradient_speedup_range": ratios["forward_backward_range"],
       "timings": timings, "max_loss_difference": max_loss_difference(losses),
       "row_log": print_row_log(row_log), "losses": losses,
   }

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import finish_run, fit, parse_training_args, sebp_context
+from examples.common import finish_run, fit, loss_trend, parse_training_args, sebp_context
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -117,8 +117,7 @@ def main(argv=None) -> dict:
     params, losses = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
     results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy}
-    print(f"{mode}: final loss (mean of last 10) {np.mean(losses[-10:]):.4f}, "
-          f"dev accuracy {dev_accuracy:.2%}")
+    print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}")
 
   fields = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "sebp_top_n": top_n,

@@ -25,7 +25,7 @@ import argparse
 import numpy as np
 import optax
 
-from examples.common import finish_run, fit, parse_training_args, sebp_context
+from examples.common import finish_run, fit, loss_trend, parse_training_args, sebp_context
 from examples.datasets import batches, encode_fixed_length, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog
@@ -96,8 +96,7 @@ def main(argv=None) -> dict:
   losses = {}
   for mode in MODES:
     _, losses[mode] = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
-    print(f"{mode}: loss {losses[mode][0]:.4f} -> {np.mean(losses[mode][-5:]):.4f} "
-          "(first step -> mean of last 5)")
+    print(f"{mode}: {loss_trend(losses[mode], 5)}")
 
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
             "data": "WikiText-2 valid", "sebp_top_n": top_n, "kept_fraction": top_n / rows,

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from examples.common import finish_run, parse_training_args
+from examples.common import finish_run, loss_trend, parse_training_args
 from examples.finetune_llama import load_train_batches
 from examples.pretrained import load_smollm2_nnx, tunix_logits
 from sebp_jax import RowLog
@@ -108,8 +108,7 @@ def main(argv=None) -> dict:
     model = nnx.clone(initial)  # Both runs start from the same weights.
     losses[mode] = fit(model, train_batches, optimizer, top_n if mode == "sebp" else None,
                        args.packed, row_log if mode == "sebp" else None, labels[mode])
-    print(f"{labels[mode]}: loss {losses[mode][0]:.4f} -> {np.mean(losses[mode][-5:]):.4f} "
-          "(first step -> mean of last 5)")
+    print(f"{labels[mode]}: {loss_trend(losses[mode], 5)}")
 
   # The same losses as functions of the weights, for the side-by-side timing.
   graphdef, params, rest = nnx.split(initial, nnx.Param, ...)

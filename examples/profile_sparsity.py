@@ -19,7 +19,7 @@ run), and logs each row's max ``|dY|`` and squared norm. After ``--steps`` AdamW
 
 From the repository root (defaults small enough for a CPU):
 
-    python -m examples.profile_sparsity --model minilm-sst2 --out-dir /tmp/profile_minilm
+    python -m examples.profile_sparsity --model minilm-sst2 --out /tmp/profile_minilm
     python -m examples.profile_sparsity --help
 """
 
@@ -122,13 +122,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "classification head (default: 0)")
   parser.add_argument("--data-dir", type=pathlib.Path, default=DATA_DIR,
                       help="folder holding sst2/ and wikitext2/ (default: the repository's data/)")
-  parser.add_argument("--out-dir", type=pathlib.Path,
-                      help="folder for cdf.png, heatmap.png and layers.json "
-                           "(default: runs/profile/MODEL)")
+  parser.add_argument("--out", "--out-dir", type=pathlib.Path,
+                      help="folder for cdf.png, heatmap.png and layers.json, as the other "
+                           "examples' --out (--out-dir: its former name; default: "
+                           "runs/profile/MODEL)")
   args = parser.parse_args(argv)
   setup = SETUPS[args.model]
-  if args.out_dir is None:
-    args.out_dir = pathlib.Path("runs/profile") / args.model
+  if args.out is None:
+    args.out = pathlib.Path("runs/profile") / args.model
   for name in ("steps", "batch_size", "max_length", "learning_rate"):
     if getattr(args, name) is None:
       setattr(args, name, getattr(setup, name))
@@ -155,7 +156,7 @@ def profiled_loss(dense_loss, row_log: RowLog, lm_head: bool, forward_order: lis
 def main(argv=None) -> dict:
   args = parse_args(argv)
   setup = SETUPS[args.model]
-  args.out_dir.mkdir(parents=True, exist_ok=True)
+  args.out.mkdir(parents=True, exist_ok=True)
 
   params, train_batches, dense_loss = setup.prepare(args)
   if len(train_batches) < args.steps:
@@ -175,12 +176,12 @@ def main(argv=None) -> dict:
 
   row_maxima = np.concatenate([record["row_max_abs"] for record in records])
   estimated = estimate_threshold(row_maxima)
-  plot_threshold(row_maxima, estimated, args.out_dir / "cdf.png",
+  plot_threshold(row_maxima, estimated, args.out / "cdf.png",
                  title=f"max |dY| of each row, all {len(forward_order)} layers, {args.steps} "
                        f"steps: {args.model}")
   threshold = estimated if args.threshold == "auto" else args.threshold
   table = layer_table(records, top_n=args.top_n, threshold=threshold)
-  plot_row_heatmap(records, args.out_dir / "heatmap.png",
+  plot_row_heatmap(records, args.out / "heatmap.png",
                    batch_shape=(args.batch_size, args.max_length), layers=forward_order)
 
   summary = {
@@ -192,14 +193,14 @@ def main(argv=None) -> dict:
       "losses": losses, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
       "layers": table,
   }
-  (args.out_dir / "layers.json").write_text(json.dumps(summary, indent=2))
+  (args.out / "layers.json").write_text(json.dumps(summary, indent=2))
   print(format_table(table))
   sparsity = [row["row_sparsity"] for row in table]
   print(f"row sparsity of dY: mean {np.mean(sparsity):.3f} over {len(table)} layers (min "
         f"{min(sparsity):.3f}, max {max(sparsity):.3f}); padding share of rows "
         f"{summary['padding_share']:.3f}; ε estimated {estimated:.3g}, used {threshold:.3g}, "
         f"top_n {args.top_n}")
-  written = (args.out_dir / name for name in ("cdf.png", "heatmap.png", "layers.json"))
+  written = (args.out / name for name in ("cdf.png", "heatmap.png", "layers.json"))
   print(f"wrote {', '.join(map(str, written))}")
   return summary
 

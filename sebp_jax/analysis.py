@@ -46,15 +46,15 @@ _MAX_VALLEY_RATIO = 0.3
 _FLAT_TOLERANCE = 1e-3
 
 
+def _magnitudes(values) -> np.ndarray:
+  """``|values|`` in float64, flattened: a complex entry's modulus, imaginary part included."""
+  return np.abs(np.asarray(values)).astype(np.float64).ravel()
+
+
 def _log_positive(values) -> np.ndarray:
-  """log10 of the strictly positive finite entries of ``|values|``, flattened."""
-  magnitudes = np.abs(np.asarray(values, dtype=np.float64)).ravel()
-  if magnitudes.size == 0:
-    raise ValueError("values is empty: it needs at least one finite non-zero entry")
-  positive = magnitudes[np.isfinite(magnitudes) & (magnitudes > 0)]
-  if positive.size == 0:
-    raise ValueError("values has no finite non-zero entry (all zeros, NaN or Inf)")
-  return np.log10(positive)
+  """log10 of the strictly positive finite entries of ``|values|``, flattened (maybe none)."""
+  magnitudes = _magnitudes(values)
+  return np.log10(magnitudes[np.isfinite(magnitudes) & (magnitudes > 0)])
 
 
 def _silverman(logs: np.ndarray) -> float:
@@ -93,7 +93,10 @@ def _split(counts: np.ndarray, width: float) -> int | None:
 
 
 def _analyse(logs: np.ndarray, bins: int):
-  """(edges [bins + 1], smoothed counts [bins], ε) of the log values ``logs``."""
+  """(edges [bins + 1], smoothed counts [bins], ε) of the log values ``logs``; with none
+  (no finite non-zero value), an empty histogram and ε = 0."""
+  if logs.size == 0:
+    return np.linspace(-1.0, 0.0, bins + 1), np.zeros(bins), 0.0
   counts, edges = np.histogram(logs, bins=bins)
   width = edges[1] - edges[0]
   k = _split(counts, width) if np.ptp(logs) > 0 else None
@@ -126,13 +129,15 @@ def estimate_threshold(values, *, bins: int = 200,
   """ε at the knee of the CDF of ``|values|``, in the units of ``values`` (see module doc).
 
   Args:
-    values: array-like of any shape (numpy or jax), e.g. row maxima ``[T]`` or dY ``[T, F]``.
+    values: array-like of any shape (numpy or jax), e.g. row maxima ``[T]`` or dY ``[T, F]``;
+      complex values count by their modulus.
     bins: number of log-spaced histogram bins, an int >= 16.
     plot: if given, a path where :func:`plot_threshold` saves the CDF with ε marked.
 
   Returns:
     ε as a Python float: above the noise mass and below the signal mass, or 0.0 when the
-    positive values are not bimodal (no noise floor).
+    positive values are not bimodal (no noise floor), and when there are none (empty, all
+    zeros, NaN or Inf).
   """
   _, _, threshold = _analyse(_log_positive(values), _check_bins(bins))
   if plot is not None:
@@ -151,11 +156,11 @@ def plot_threshold(values, threshold: float, path, *, title: str | None = None) 
   from matplotlib.figure import Figure
 
   logs = _log_positive(values)
-  magnitudes = np.abs(np.asarray(values, dtype=np.float64)).ravel()
-  num_finite = int(np.isfinite(magnitudes).sum())
+  num_finite = int(np.isfinite(_magnitudes(values)).sum())
   edges, smoothed, _ = _analyse(logs, 200)
   counts = np.histogram(logs, bins=edges)[0]
-  cdf = (num_finite - logs.size + np.concatenate([[0], np.cumsum(counts)])) / num_finite
+  cdf = ((num_finite - logs.size + np.concatenate([[0], np.cumsum(counts)]))
+         / max(num_finite, 1))
   x = 10.0 ** edges
 
   fig = Figure(figsize=(7, 4))
@@ -189,7 +194,7 @@ def dropped_share(row_max_abs, row_squared_norm, *, top_n: int | None = None,
   """The share of dY's squared L2 norm that SEBP drops when it keeps only the rows whose max
   ``|value|`` exceeds ``threshold`` and, of those, at most ``top_n`` (the largest by norm; None:
   no cap), from each row's max ``|value|`` and squared norm (``[T]`` each). 0.0 when dY is all
-  zeros: there is nothing to drop."""
+  zeros: there is nothing to drop; NaN when it is not finite, as in the :class:`RowLog`."""
   top_n = _validate_top_n(top_n)
   squared = np.asarray(row_squared_norm, dtype=np.float64).ravel()
   above = np.asarray(row_max_abs, dtype=np.float64).ravel() > threshold
@@ -198,6 +203,8 @@ def dropped_share(row_max_abs, row_squared_norm, *, top_n: int | None = None,
   # Summing the dropped rows themselves: nothing dropped is exactly 0.0.
   dropped = squared[~above].sum() + candidates[:beyond_cap].sum()
   total = squared.sum()
+  if not np.isfinite(total):
+    return float("nan")
   return float(dropped / total) if total > 0 else 0.0
 
 

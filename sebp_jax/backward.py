@@ -29,7 +29,7 @@ from jax import lax
 
 from sebp_jax.cost_model import choose_implementation
 from sebp_jax.implementations import accumulation_dtype, gather_rows, get_implementation
-from sebp_jax.selection import capacity_ladder, row_scores, select_active_rows
+from sebp_jax.selection import capacity_ladder, row_magnitudes, row_scores, select_active_rows
 
 Array = jax.Array
 
@@ -136,13 +136,15 @@ def _record(row_log, dy: Array, kept: Array, count: Array, capacity: Array) -> N
   """Sends one layer's row statistics to ``row_log`` (a :class:`sebp_jax.report.RowLog` entry
   point) from inside the trace: active and kept rows, capacity run, dropped norm share, and
   each row's max ``|value|`` and squared L2 norm."""
-  dy32 = (jnp.abs(dy) if jnp.iscomplexobj(dy) else dy).astype(jnp.float32)
-  squared = jnp.sum(dy32 * dy32, axis=1)
+  magnitudes = row_magnitudes(dy)
+  squared = jnp.sum(magnitudes * magnitudes, axis=1)
   total = jnp.sum(squared)
   dropped = jnp.sum(jnp.where(kept, 0.0, squared))
-  share = jnp.where(total > 0, dropped / jnp.where(total > 0, total, 1.0), 0.0)
+  # NaN where dY is not finite; 0 where it is all zeros (nothing to drop).
+  share = jnp.where(total == 0, 0.0, dropped / jnp.where(total == 0, 1.0, total))
+  share = jnp.where(jnp.isfinite(total), share, jnp.nan)
   jax.debug.callback(row_log, count, jnp.sum(kept, dtype=jnp.int32), capacity, share,
-                     dy.shape[0], jnp.max(jnp.abs(dy32), axis=1, initial=0), squared)
+                     dy.shape[0], jnp.max(magnitudes, axis=1, initial=0), squared)
 
 
 def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,

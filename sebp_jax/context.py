@@ -9,7 +9,11 @@ Linen intercepts methods (:mod:`sebp_jax.intercept`), NNX swaps classes
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import hashlib
+import itertools
 import logging
 import math
 import re
@@ -22,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from sebp_jax.layers import resolve_top_n
+from sebp_jax.model_families import BATCH_MAJOR, ENCODER_DECODER
 from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow,
                           validate_threshold)
 from sebp_jax.report import RowLog
@@ -33,6 +38,19 @@ logger = logging.getLogger("sebp_jax")
 
 #: Per thread (as flax's interceptors are), the use_sebp context entered and not yet exited.
 _ACTIVE = threading.local()
+
+#: Part of every ``jax.jit`` cache key: the options and the constant index of the use_sebp
+#: context the thread is in (None outside one). A function traced and compiled inside one
+#: context is traced again in another, or outside any, instead of running its program there.
+_JIT_KEY = jax.make_user_context(None)
+#: The reports of recent contexts that traced layers, by jit key: a context entered around a
+#: call whose program was compiled under an equal key (so ran exactly its SEBP) takes that
+#: trace's report instead of raising that nothing was swapped.
+_TRACED_REPORTS: collections.OrderedDict = collections.OrderedDict()
+_TRACED_REPORTS_SIZE = 1024
+_TRACED_REPORTS_LOCK = threading.Lock()
+_UNIQUE = itertools.count()
+
 
 #: Every linear layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
 #: the attention projections and MLP layers, the layers the SEBP paper swaps.
@@ -56,7 +74,8 @@ class SEBPReport:
   ``swapped`` lists the linear layers, ``embeddings`` the embedding lookups that run with the
   SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the linear
   layers (and embeddings) left dense, with the reason, ``per_shard`` the swapped ones whose
-  rows are split over devices, each shard selecting its own. With ``packed=True`` (Linen),
+  rows are split over devices, each shard selecting its own, ``own_rows`` the swapped ones
+  that select their own rows although their shape is the mask's. With ``packed=True`` (Linen),
   ``packed`` lists the modules run on the real tokens only (a model's encoder or decoder
   stack, its language-model head) in ``capacity`` slots; the layers inside them are not listed
   apart.
@@ -68,6 +87,9 @@ class SEBPReport:
   per_shard: list[str] = dataclasses.field(default_factory=list)
   packed: list[str] = dataclasses.field(default_factory=list)
   capacity: int | None = None
+  #: Swapped layers that select their own rows although ``active_mask`` has their shape,
+  #: with the reason (the shape cannot tell ``[B, L]`` from ``[L, B]``).
+  own_rows: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def num_swapped(self) -> int:
@@ -92,6 +114,44 @@ def record(bucket: list[str], path: str) -> None:
     bucket.append(path)
 
 
+def validate_active_mask(active_mask: Any) -> Any:
+  """``active_mask`` as an array (a list becomes a numpy array), or ValueError naming it."""
+  if active_mask is None or isinstance(active_mask, (jax.Array, np.ndarray)):
+    array = active_mask
+  else:
+    try:
+      array = np.asarray(active_mask)
+    except (TypeError, ValueError) as error:
+      raise ValueError(f"active_mask must be an array of token flags such as attention_mask "
+                       f"[B, L], got {type(active_mask).__name__}: {error}") from None
+  if array is not None and (jnp.ndim(array) < 1 or not (
+      jnp.issubdtype(array.dtype, jnp.bool_) or jnp.issubdtype(array.dtype, jnp.number))):
+    raise ValueError(f"active_mask must be an array of token flags such as attention_mask "
+                     f"[B, L] (bool or numbers, at least 1-D), got {array.dtype}"
+                     f"{list(jnp.shape(array))}")
+  return array
+
+
+@jax.custom_vjp
+def poison_cotangent(y: jax.Array, poison: jax.Array) -> jax.Array:
+  """``y`` as is; its cotangent comes back plus ``poison`` (0 or NaN, of ``y``'s leading
+  shape or a scalar), so that a layer's backward sees a NaN dY where its index was cut."""
+  del poison
+  return y
+
+
+def _poison_cotangent_fwd(y, poison):
+  return y, poison
+
+
+def _poison_cotangent_bwd(poison, dy):
+  poison = poison.reshape(poison.shape + (1,) * (dy.ndim - poison.ndim))
+  return dy + poison.astype(dy.dtype), None
+
+
+poison_cotangent.defvjp(_poison_cotangent_fwd, _poison_cotangent_bwd)
+
+
 class SEBPContext:
   """The options, layer choice, shared index and report of one ``use_sebp`` context.
 
@@ -112,7 +172,7 @@ class SEBPContext:
     self.include = re.compile(include)
     self.exclude = re.compile(exclude) if exclude else None
     self.lm_head = lm_head
-    self.active_mask = active_mask
+    self.active_mask = validate_active_mask(active_mask)
     self.backend = validate_backend(backend)
     self.embeddings = embeddings
     self.require_swaps = require_swaps
@@ -120,10 +180,22 @@ class SEBPContext:
     self.mesh = mesh
     if mesh is not None and self.batch_axes is None:
       raise ValueError("use_sebp(mesh=...) names the mesh of batch_axes: give batch_axes too")
+    self.reset()
+
+  def reset(self) -> None:
+    """A fresh report and no shared index: the state of a context not yet entered."""
     self.report = SEBPReport()
+    #: Dense / Embed / swapped layers this context saw traced: 0 when a compiled program ran.
+    self.layers_seen = 0
     self._shared_rows: jax.Array | None = None
     self._shared_top_n: int | str | None = None
     self._mask_sharding: RowSharding | None = None
+    # 0 or NaN per token (a scalar on one device): NaN where the shared index cut real tokens.
+    self._index_poison: jax.Array | None = None
+    self._mask_key_value: Any = None
+    self._jit_key_value: tuple | None = None
+    self._jit_key_context = None
+    self._warned_ambiguous = False
 
   @property
   def include_given(self) -> bool:
@@ -148,10 +220,67 @@ class SEBPContext:
       # Computed here, in the trace that entered the context, so that layers traced inside
       # scan / remat close over it instead of leaking an inner tracer out.
       self.share_mask_index()
+    self._mask_key_value = self.mask_key()
+    self._jit_key_value = self.jit_key()
+    self._jit_key_context = _JIT_KEY(self._jit_key_value)
+    self._jit_key_context.__enter__()
     _ACTIVE.context = self
 
   def deactivate(self) -> None:
     _ACTIVE.context = None
+    if self._jit_key_context is not None:
+      self._jit_key_context.__exit__(None, None, None)
+      self._jit_key_context = None
+
+  def mask_key(self) -> Any:
+    """What of ``active_mask`` a compiled program depends on: its contents when it is
+    concrete (its index is then a constant of the program), else nothing shared with another
+    context."""
+    if self.active_mask is None:
+      return None
+    if isinstance(self.active_mask, jax.core.Tracer):
+      return ("traced", next(_UNIQUE))
+    mask = np.asarray(self.active_mask)
+    return (mask.shape, str(mask.dtype), hashlib.sha256(mask.tobytes()).hexdigest())
+
+  def jit_key(self) -> tuple:
+    """Everything a program traced in this context depends on, hashable: the options and
+    the mask (:meth:`mask_key`)."""
+    return (type(self).__name__, self.top_n, self.threshold, self.overflow,
+            self.include.pattern, self.exclude and self.exclude.pattern, self.lm_head,
+            self.backend, self.embeddings, self.row_log, self.batch_axes, self.mesh,
+            self._mask_key_value)
+
+  def _reusable_key(self) -> tuple | None:
+    mask_key = self._mask_key_value
+    return None if mask_key is not None and mask_key[0] == "traced" else self._jit_key_value
+
+  def remember_or_reuse_report(self) -> bool:
+    """On exit: remembers this context's report when it traced layers; when it traced none,
+    takes the report of the trace whose program ran (one under an equal jit key) and returns
+    True, else False."""
+    key = self._reusable_key()
+    if key is None:
+      return False
+    with _TRACED_REPORTS_LOCK:
+      if self.layers_seen:
+        _TRACED_REPORTS[key] = copy.deepcopy(self.report)
+        _TRACED_REPORTS.move_to_end(key)
+        while len(_TRACED_REPORTS) > _TRACED_REPORTS_SIZE:
+          _TRACED_REPORTS.popitem(last=False)
+        return False
+      traced = _TRACED_REPORTS.get(key)
+    if traced is None:
+      return False
+    vars(self.report).update(copy.deepcopy(vars(traced)))
+    return True
+
+  def shared_output(self, y: jax.Array, active_rows: jax.Array | None) -> jax.Array:
+    """A layer's output ``y``, its cotangent poisoned where it took the shared index and the
+    index cut real tokens (``overflow="nan"`` with a traced mask)."""
+    if active_rows is None or self._index_poison is None:
+      return y
+    return poison_cotangent(y, self._index_poison)
 
   def sharding_of(self, rows: jax.Array, num_row_dims: int) -> RowSharding | None:
     """How the rows of ``rows`` (its first ``num_row_dims`` dims) are split over devices."""
@@ -181,44 +310,82 @@ class SEBPContext:
         top_n = next((rung for rung in capacity_ladder(num_rows) if rung >= count), num_rows)
       size = top_n
     elif self.overflow == "nan" and top_n != "auto":
-      size = min(num_rows, top_n + 1)  # One slot past top_n tells an overflow.
+      # The first top_n real tokens; where a shard has more, its layers' dY turn NaN
+      # (:meth:`shared_output`): the tokens cut may carry gradient, active or not.
+      size = min(num_rows, top_n)
     else:
       size = num_rows  # Every real token: the layers choose their capacity at run time.
+    cut = size < num_rows and not concrete and self.overflow == "nan"
+
+    def index(mask):
+      rows = active_rows_from_mask(mask, size)
+      if not cut:
+        return (rows,)
+      overflowed = jnp.count_nonzero(mask) > size
+      return rows, jnp.full(jnp.shape(mask), jnp.where(overflowed, jnp.nan, 0.0), jnp.float32)
+
     if sharding is None:
-      self._shared_rows = active_rows_from_mask(self.active_mask, size)
+      shared = index(self.active_mask)
     else:
-      (self._shared_rows,), () = map_row_shards(
-          lambda rows, whole: ((active_rows_from_mask(rows[0], size),), ()), sharding,
-          rows=(jnp.asarray(self.active_mask),), whole=(), sums_like=())
+      shared, () = map_row_shards(lambda rows, whole: (index(rows[0]), ()), sharding,
+                                  rows=(jnp.asarray(self.active_mask),), whole=(),
+                                  sums_like=())
+    self._shared_rows = shared[0]
+    self._index_poison = shared[1] if cut else None
     self._shared_top_n = top_n
     self._mask_sharding = sharding
 
-  def rows_to_keep(self, path: str, rows: jax.Array,
-                   num_row_dims: int) -> tuple[jax.Array | None, Any] | str:
+  def rows_to_keep(self, path: str, rows: jax.Array, num_row_dims: int, *,
+                   layout: str | None = None) -> tuple[jax.Array | None, Any] | str:
     """``(active_rows, top_n)`` for a layer whose rows are the first ``num_row_dims`` dims of
     ``rows`` (a linear layer's input, or embedding ids), or why it stays dense.
 
     With ``active_mask``, shapes and not only counts must agree for the shared index: a
     transposed batch of as many rows would take the index for rows it does not describe, so
     it selects its own; another number of rows is not the mask's tokens at all. So must the
-    split over devices, for the index is one block per shard.
+    split over devices, for the index is one block per shard. Where the mask's dims are
+    equal (B == L), the shape cannot tell ``[B, L]`` from ``[L, B]``: only a layer whose
+    ``layout`` is :data:`BATCH_MAJOR` (a model family known to feed its layers batch-major
+    rows) takes the index, any other selects its own. A layer of an
+    :data:`ENCODER_DECODER` model raises: one mask cannot say whose tokens its rows are.
     """
-    row_shape = jnp.shape(rows)[:num_row_dims]
+    row_shape = tuple(jnp.shape(rows)[:num_row_dims])
     sharding = self.sharding_of(rows, num_row_dims)
-    mask_shape = None if self.active_mask is None else jnp.shape(self.active_mask)
+    mask_shape = None if self.active_mask is None else tuple(jnp.shape(self.active_mask))
+    if self._shared_rows is not None and layout == ENCODER_DECODER:
+      raise ValueError(
+          f"use_sebp(active_mask=...) on an encoder-decoder model (layer {path}): its encoder "
+          "and decoder see different tokens, and where their lengths are equal no shape tells "
+          "which a layer's rows are, so one mask would give the decoder the encoder's index. "
+          "Leave active_mask out: every layer then selects its own rows from dY, exactly.")
     if self._shared_rows is None or math.prod(row_shape) == math.prod(mask_shape):
       # Same tokens; the shared index when in the same layout on the same shards.
       if sharding is not None:
         record(self.report.per_shard, path)
-      if (self._shared_rows is not None and tuple(row_shape) == mask_shape
+      if (self._shared_rows is not None and row_shape == mask_shape
           and _split(sharding) == _split(self._mask_sharding)):
-        record(self.report.shared_index, path)
-        return self._shared_rows, self._shared_top_n
+        if layout == BATCH_MAJOR or len(set(mask_shape)) == len(mask_shape):
+          record(self.report.shared_index, path)
+          return self._shared_rows, self._shared_top_n
+        self._note_ambiguous(path, mask_shape)
       # A kept fraction counts the rows of a shard.
       num_shards = sharding.num_shards if sharding else 1
       return None, resolve_top_n(self.top_n, math.prod(row_shape) // num_shards)
     return (f"{math.prod(row_shape)} rows, not the {math.prod(mask_shape)} tokens of "
             "active_mask")
+
+  def _note_ambiguous(self, path: str, mask_shape: tuple[int, ...]) -> None:
+    self.report.own_rows[path] = (
+        f"rows of shape {mask_shape}, as active_mask's, whose equal dims cannot tell "
+        "[B, L] from [L, B] outside a model family known to be batch-major")
+    if not self._warned_ambiguous:
+      self._warned_ambiguous = True
+      logger.warning(
+          "use_sebp: active_mask has shape %s, whose equal dims cannot tell a [B, L] batch "
+          "from a transposed one, so layers outside the model families known to be "
+          "batch-major (transformers' Flax models, Tunix's) select their own rows from dY "
+          "(exact, without the shared index); e.g. %s. report.own_rows lists them.",
+          mask_shape, path)
 
   def path_skip_reason(self, path: str, is_linear: bool) -> str | None:
     """Why ``include`` / ``exclude`` / ``lm_head`` leave the layer at ``path`` dense."""
@@ -243,7 +410,8 @@ class SEBPContext:
       raise RuntimeError(
           f"use_sebp swapped no {what}. {cause}Otherwise include/exclude matched no "
           f"layer{' (' + skipped + ')' if skipped else ''}.")
-    if self._shared_rows is not None and not self.report.shared_index:
+    if (self._shared_rows is not None and not self.report.shared_index
+        and not self.report.own_rows):
       raise RuntimeError(
           f"use_sebp's active_mask of shape {jnp.shape(self.active_mask)} matched no layer: "
           "no linear layer's input had it as its leading dimensions and no embedding's ids "

@@ -5,11 +5,13 @@ The interceptor (``flax.linen.intercept_methods``) replaces the ``__call__`` of 
 each ``nn.Embed`` by :func:`sebp_jax.layers.sebp_embed_call`: same params, same forward,
 SEBP backward. Nothing in the model's code or its params changes.
 
-It acts while a function is *traced*. A jitted function that was compiled before is not traced
-again, so entering ``use_sebp`` around a call to it would silently run the compiled dense
-version: the context raises when no layer went through it. The other way round, a function
-jitted inside the context keeps its SEBP program when called again outside it, for the same
-reason. Enter it inside the function being jitted, or decorate that function with it.
+It acts while a function is *traced*. Its options and a concrete mask's contents are part of
+``jax.jit``'s cache key (:data:`sebp_jax.context._JIT_KEY`), so a function jitted outside the
+context is traced again inside it, and one traced inside it is traced again outside (dense) or
+in another context; an equal context runs the program compiled before. Only a program compiled
+ahead of time runs what it was compiled with: the context raises when no layer went through
+it. Entering it inside the function being jitted (or decorating that function with it) gives
+each batch of a traced mask its index with one compile.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ logger = logging.getLogger("sebp_jax")
 
 _NOT_PACKED = object()
 
+# Why a context may trace no layer although the model ran in it.
+_NOTHING_TRACED = (
+    ", or what ran in it was compiled before, elsewhere: jax.jit traces again in a new "
+    "use_sebp context, so that is a program compiled ahead of time "
+    "(jax.jit(f).lower(...).compile()) or a function jitted by other means, which ran "
+    "whatever it was compiled with")
+
 __all__ = ["DEFAULT_EXCLUDE", "DEFAULT_INCLUDE", "LM_HEAD", "SEBPReport", "use_sebp"]
 
 
@@ -65,10 +74,11 @@ class use_sebp(SEBPContext):
     overflow: what happens when more rows are active than an int ``top_n`` holds:
       ``"exact"`` (default) runs a larger capacity (the dense backward of the active rows),
       decided on the host from a concrete ``active_mask``, else by a run-time branch in each
-      layer; ``"nan"`` makes the gradients NaN instead, with no branch (a concrete mask
-      raises at once): the fast choice when ``top_n`` comes from the batch on the host
-      (:func:`sebp_jax.token_capacity`); ``"drop"`` keeps the ``top_n`` rows of largest L2
-      norm, as the SEBP paper does.
+      layer; ``"nan"`` makes the gradients NaN instead, with no branch: the fast choice when
+      ``top_n`` comes from the batch on the host (:func:`sebp_jax.token_capacity`). With
+      ``active_mask`` it counts the mask's real tokens, active or not: more than ``top_n``
+      raise at once for a concrete mask and make every gradient NaN for a traced one.
+      ``"drop"`` keeps the ``top_n`` rows of largest L2 norm, as the SEBP paper does.
     row_log: a :class:`sebp_jax.RowLog` that every swapped layer's backward reports to (active
       and kept rows, capacity, dropped share of dY's norm), through ``jax.debug.callback``.
     include: regex searched in the module path (``"bert/encoder/layer/0/attention/self/query"``,
@@ -88,9 +98,12 @@ class use_sebp(SEBPContext):
     active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
       index of the real tokens is computed once and every layer whose input has the mask's
       shape as its leading dims (embedding ids: the mask's shape) reuses it instead of
-      scoring dY itself. A layer with as many rows in another layout selects its own; a
-      layer with another number of rows (a head on one row per sequence) is left dense: the
-      mask says nothing about its rows. Exact when the gradient rows of the
+      scoring dY itself. A layer with as many rows in another layout selects its own (where
+      the mask's dims are equal, any layer outside transformers' and Tunix's models, whose
+      layers are known to be batch-major: ``report.own_rows``); a layer with another number
+      of rows (a head on one row per sequence) is left dense: the mask says nothing about
+      its rows. An encoder-decoder model raises: its stacks see different tokens, and one
+      mask would serve both; leave ``active_mask`` out. Exact when the gradient rows of the
       masked tokens are exactly zero: BERT classification (attention masks padding keys, the
       loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
       the loss or a pooling reads padding positions, or when a real token is masked out. A
@@ -149,18 +162,23 @@ class use_sebp(SEBPContext):
       raise ValueError("use_sebp(packed=True) cannot drop tokens: overflow must be 'exact' or "
                        "'nan'")
     self.packed = packed
+
+  def reset(self) -> None:
+    super().reset()
     self._stack: contextlib.ExitStack | None = None
     self._layout: PackedLayout | None = None
     # The family whose region is running, and whether one ran in this context.
     self._region_family: model_families.PackedFamily | None = None
     self._packed_a_region = False
 
+  def jit_key(self) -> tuple:
+    return (*super().jit_key(), self.packed)
+
   def _fresh_copy(self) -> "use_sebp":
     # Each call of a decorated function gets its own context and report.
     fresh = use_sebp.__new__(use_sebp)
-    fresh.__dict__.update(self.__dict__, report=SEBPReport(), _stack=None, _shared_rows=None,
-                          _shared_top_n=None, _mask_sharding=None, _layout=None,
-                          _region_family=None, _packed_a_region=False)
+    fresh.__dict__.update(self.__dict__)
+    fresh.reset()
     return fresh
 
   def __call__(self, fn: Callable) -> Callable:
@@ -181,17 +199,17 @@ class use_sebp(SEBPContext):
     self.deactivate()
     if exc_type is not None:
       return
+    if self.remember_or_reuse_report():
+      return  # A program compiled under an equal context ran: its trace's report.
     logger.info(self.report.summary())
     if self.packed and self.require_swaps and not self._packed_a_region:
       raise RuntimeError(
           "use_sebp(packed=True) packed nothing: no module of a supported model ran "
-          f"({model_families.SUPPORTED}, from transformers), or the function was compiled "
-          "before. Use it around such a model's call, inside the traced function.")
+          f"({model_families.SUPPORTED}, from transformers){_NOTHING_TRACED}. Use it around "
+          "such a model's call, inside the traced function.")
     if not self._packed_a_region:
-      self.check_swaps("Dense layer", (
-          "If you called a function that jax.jit had already compiled, its compiled (dense) "
-          "version ran: enter use_sebp inside the jitted function or decorate it with "
-          "use_sebp(...). "))
+      self.check_swaps("Dense layer", f"No Dense layer was traced in it{_NOTHING_TRACED}. "
+                       if not self.layers_seen else "")
 
   def share_mask_index(self) -> None:
     """The shared index of ``active_mask``; with ``packed``, the packed layout too."""
@@ -257,6 +275,7 @@ class use_sebp(SEBPContext):
     family = model_families.region_family(module)
     if family is not None:
       record(self.report.packed, module_path(module))
+      self.layers_seen += 1
       self._region_family, self._packed_a_region = family, True
       try:
         return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
@@ -283,6 +302,7 @@ class use_sebp(SEBPContext):
     is_embed = self.embeddings and isinstance(module, nn.Embed)
     if context.method_name != "__call__" or not (is_dense or is_embed):
       return next_fun(*args, **kwargs)
+    self.layers_seen += 1
     path = module_path(module)
     reason = self.skip_reason(module)
     if reason:
@@ -290,18 +310,22 @@ class use_sebp(SEBPContext):
         self.report.skipped[path] = reason
       return next_fun(*args, **kwargs)
     (inputs,) = args or (kwargs["inputs"],)
-    rows = self.rows_to_keep(path, inputs, jnp.ndim(inputs) - (0 if is_embed else 1))
+    parent = module.parent if isinstance(module.parent, nn.Module) else None
+    rows = self.rows_to_keep(path, inputs, jnp.ndim(inputs) - (0 if is_embed else 1),
+                             layout=model_families.input_layout(parent))
     if isinstance(rows, str):
       self.report.skipped[path] = rows
       return next_fun(*args, **kwargs)
     active_rows, top_n = rows
     if is_embed:
       record(self.report.embeddings, path)
-      return sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                             overflow=self.overflow, active_rows=active_rows,
-                             row_log=self.row_log, **self.sharding_options)
-    record(self.report.swapped, path)
-    return sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                           backend=self.backend, overflow=self.overflow,
-                           active_rows=active_rows, row_log=self.row_log,
-                           **self.sharding_options)
+      out = sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
+                            overflow=self.overflow, active_rows=active_rows,
+                            row_log=self.row_log, **self.sharding_options)
+    else:
+      record(self.report.swapped, path)
+      out = sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
+                            backend=self.backend, overflow=self.overflow,
+                            active_rows=active_rows, row_log=self.row_log,
+                            **self.sharding_options)
+    return self.shared_output(out, active_rows)

@@ -15,7 +15,9 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
 
   Args:
     logits: ``[B, L, V]`` predictions for each position.
-    input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes).
+    input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes). Padding may hold any
+      id (0, -100, the vocabulary size); a real token's id out of ``[0, V)`` makes the loss
+      NaN.
     attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
     capacity: optional static count of rows for the log-softmax over the vocabulary: the
       positions whose target is real are gathered into ``[capacity, V]`` and only those are
@@ -50,5 +52,13 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
                               indices_are_sorted=True)
     rows, labels = take(rows), take(labels)
     weights = jnp.where(num_targets > capacity, jnp.nan, take(weights))
-  token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32), labels)
-  return jnp.sum(token_loss * weights) / jnp.maximum(num_targets, 1.0)
+  # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
+  # class 0, so that its loss is finite and a zero weight cancels it (NaN x 0 would be NaN);
+  # at a real target it makes the loss NaN.
+  in_vocab = (labels >= 0) & (labels < vocab)
+  token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
+                                                               jnp.where(in_vocab, labels, 0))
+  token_loss = jnp.where(in_vocab, token_loss, jnp.nan)
+  # Where the weight is 0 nothing counts; a NaN weight (an overflowed capacity) does.
+  weighted = jnp.where(weights == 0, 0.0, token_loss * weights)
+  return jnp.sum(weighted) / jnp.maximum(num_targets, 1.0)

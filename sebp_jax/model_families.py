@@ -119,6 +119,31 @@ def _from_transformers(module: nn.Module) -> bool:
   return type(module).__module__.startswith("transformers.models.")
 
 
+#: What a layer's model family says of its rows (``SEBPContext.rows_to_keep``'s ``layout``):
+#: ``BATCH_MAJOR``, ``[B, L, ...]`` as the mask's; ``ENCODER_DECODER``, a model whose encoder
+#: and decoder see different tokens.
+BATCH_MAJOR = "batch_major"
+ENCODER_DECODER = "encoder_decoder"
+
+
+def input_layout(owner: Any) -> str | None:
+  """What the model family of ``owner``, the module that holds a layer, says of the layer's
+  rows (:data:`BATCH_MAJOR`, :data:`ENCODER_DECODER`), or
+  None where it is not known. transformers' Flax models feed every layer ``[B, L, ...]``
+  rows, but an encoder-decoder's two stacks see different tokens; Tunix's NNX models are
+  batch-major (``"BTD,DNH->BTNH"``)."""
+  module = type(owner).__module__
+  if module.startswith("transformers.models."):
+    config = getattr(owner, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or (
+        getattr(config, "is_decoder", False) and getattr(config, "add_cross_attention", False)):
+      return ENCODER_DECODER
+    return BATCH_MAJOR
+  if module.startswith("tunix.models."):
+    return BATCH_MAJOR
+  return None
+
+
 def region_family(module: nn.Module) -> PackedFamily | None:
   """The family whose packed region ``module`` is, or None."""
   name = type(module).__name__

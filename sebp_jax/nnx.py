@@ -16,17 +16,16 @@ entering the context outside a jitted step works too.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from sebp_jax import context as context_lib
+from sebp_jax import model_families
 from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
 from sebp_jax.layers import resolve_top_n
 from sebp_jax.ops import (sebp_embed_lookup, sebp_linear, validate_backend, validate_capacity,
@@ -228,6 +227,9 @@ class LayerSwap:
   mask_key: Any
   batch_axes: tuple[str, ...] | None = None
   mesh: Any = None
+  #: What the model family of the layer's owner says of its rows
+  #: (:func:`sebp_jax.model_families.input_layout`).
+  layout: str | None = None
 
 
 _SWAP_ATTR = "_sebp_swap"
@@ -237,15 +239,15 @@ def _swapped_call(self, inputs: Array, *args, **kwargs) -> Array:
   """``__call__`` of a swapped layer: its context's :meth:`use_sebp.run_layer`."""
   swap: LayerSwap = vars(self)[_SWAP_ATTR]
   context = getattr(context_lib._ACTIVE, "context", None)
-  if not isinstance(context, use_sebp):
-    raise RuntimeError(
-        f"{swap.path}: a layer swapped by sebp_jax.nnx.use_sebp ran outside that context "
-        "(a copy of the model kept from inside it?)")
+  if not (isinstance(context, use_sebp) and context.swapped_with(swap)):
+    # Another thread, outside the context that swapped the layer (which is per thread, as
+    # Linen's is), or a copy of the model kept from inside it: the layer's own forward.
+    return dense_forward(self, inputs, *args, **kwargs)
   if args or any(v is not None for v in kwargs.values()):
     # out_sharding, or an einsum_str given at call time: the layer's own code.
     context.report.skipped[swap.path] = f"called with extra arguments {sorted(kwargs)}"
     return dense_forward(self, inputs, *args, **kwargs)
-  context.layers_called += 1
+  context.layers_seen += 1
   return context.run_layer(self, swap, inputs)
 
 
@@ -301,7 +303,9 @@ class use_sebp(SEBPContext):
 
   Enter it inside the function that is traced (the loss function under ``nnx.grad``), on the
   model that function received. Entered outside ``nnx.jit``, it works too: the swapped
-  classes and options are part of the graph definition, so the step compiles for them.
+  classes and options are part of the graph definition, so the step compiles for them. The
+  classes change for every thread, but a swapped layer runs SEBP only in the thread that
+  entered the context; in another it runs its own forward.
 
   Args: ``top_n``, ``threshold``, ``overflow``, ``include``, ``exclude``, ``lm_head``,
   ``active_mask``, ``backend``, ``embeddings``, ``row_log`` as for the Linen
@@ -327,8 +331,18 @@ class use_sebp(SEBPContext):
                      lm_head=lm_head, row_log=row_log, require_swaps=require_swaps,
                      batch_axes=batch_axes, mesh=mesh)
     self.model = model
-    self.layers_called = 0
     self._swapped: list[tuple[nnx.Module, type]] = []
+
+  def _swap_options(self) -> tuple:
+    """The options a :class:`LayerSwap` records, in its field order from ``top_n``."""
+    return (self.top_n, self.threshold, self.overflow, self.backend, self.row_log,
+            self._mask_key_value, self.batch_axes, self.mesh)
+
+  def swapped_with(self, swap: LayerSwap) -> bool:
+    """Whether a layer swapped as ``swap`` says is this context's (a layer's class changes
+    for every thread, a context is entered in one; nnx.jit rebuilds layers in its trace)."""
+    return (swap.top_n, swap.threshold, swap.overflow, swap.backend, swap.row_log,
+            swap.mask_key, swap.batch_axes, swap.mesh) == self._swap_options()
 
   def _layer_kind(self, module: nnx.Module) -> tuple[str, Any] | None:
     """``(kind, detail)`` of a layer this context could swap, ``detail`` being None, an
@@ -372,7 +386,7 @@ class use_sebp(SEBPContext):
     else:
       row_map = swap.row_map or _RowMap(inputs.ndim - 1, 1)
       num_row_dims = row_map.row_dims
-    rows = self.rows_to_keep(swap.path, inputs, num_row_dims)
+    rows = self.rows_to_keep(swap.path, inputs, num_row_dims, layout=swap.layout)
     if isinstance(rows, str):
       self.report.skipped[swap.path] = rows
       return dense_forward(module, inputs)
@@ -381,7 +395,7 @@ class use_sebp(SEBPContext):
                    active_rows=active_rows, row_log=_row_log_entry(swap.row_log, swap.path),
                    batch_axes=swap.batch_axes, mesh=swap.mesh)
     if swap.kind == "embed":
-      return _embed_forward(module, inputs, **options)
+      return self.shared_output(_embed_forward(module, inputs, **options), active_rows)
     if swap.kind == "linear":
       kernel, bias = module.kernel, module.bias
     else:
@@ -393,16 +407,8 @@ class use_sebp(SEBPContext):
     if bias is not None and bias.size != math.prod(kernel.shape[row_map.contracted_dims:]):
       self.report.skipped[swap.path] = "bias not over the output's kernel dims"
       return dense_forward(module, inputs)
-    return _linear_forward(module, inputs, kernel, bias, row_map, backend=swap.backend,
-                           **options)
-
-  def _mask_key(self) -> Any:
-    if self.active_mask is None:
-      return None
-    if isinstance(self.active_mask, jax.core.Tracer):
-      return ("traced", id(self))
-    mask = np.asarray(self.active_mask)
-    return (mask.shape, hashlib.sha256(mask.tobytes()).hexdigest())
+    return self.shared_output(_linear_forward(module, inputs, kernel, bias, row_map,
+                                              backend=swap.backend, **options), active_rows)
 
   def __enter__(self) -> SEBPReport:
     self.activate()
@@ -415,8 +421,8 @@ class use_sebp(SEBPContext):
     return self.report
 
   def _swap_layers(self) -> None:
-    mask_key = self._mask_key()
-    for path_parts, module in nnx.iter_modules(self.model):
+    modules = dict(nnx.iter_modules(self.model))
+    for path_parts, module in modules.items():
       found = self._layer_kind(module)
       if found is None:
         continue
@@ -428,8 +434,9 @@ class use_sebp(SEBPContext):
         self.report.skipped[path] = reason
         continue
       row_map, einsum = detail if kind == "einsum" else (None, None)
-      swap = LayerSwap(path, kind, row_map, einsum, self.top_n, self.threshold, self.overflow,
-                       self.backend, self.row_log, mask_key, self.batch_axes, self.mesh)
+      owner = modules.get(path_parts[:-1]) if path_parts else None
+      swap = LayerSwap(path, kind, row_map, einsum, *self._swap_options(),
+                       layout=model_families.input_layout(owner))
       self._swapped.append((module, type(module)))
       # Past nnx's __setattr__, which would record the swap as one of the module's own
       # attributes; the graph definition still holds the class and the swap.
@@ -453,6 +460,6 @@ class use_sebp(SEBPContext):
   def __exit__(self, exc_type, exc, tb) -> None:
     self._restore()
     self.deactivate()
-    if exc_type is None and self.layers_called:
-      # Nothing ran when a jitted step was compiled before: its compiled SEBP program ran.
+    # No layer ran when a jitted step compiled before, under an equal context, ran.
+    if exc_type is None and not self.remember_or_reuse_report() and self.layers_seen:
       self.check_swaps("linear layer", "")

@@ -44,8 +44,9 @@ class RowLog:
   A record holds ``layer``, ``step`` (that layer's count of backwards so far), ``rows`` (T),
   ``active``, ``kept``, ``capacity``, ``dropped_share`` (dropped / total squared norm of
   dY; NaN when dY is not finite) and, with ``row_values=True``, ``row_max_abs`` and
-  ``row_squared_norm``: each row's max ``|value|`` and squared L2 norm of dY, float32 numpy
-  arrays of T (None otherwise), for :mod:`sebp_jax.analysis` and heat maps.
+  ``row_squared_norm``: each row's max ``|value|`` and squared L2 norm of dY, numpy
+  arrays of T in float32 (float64 for float64 dY; None otherwise), for
+  :mod:`sebp_jax.analysis` and heat maps.
   """
 
   def __init__(self, row_values: bool = False):
@@ -95,7 +96,7 @@ class RowLog:
     for layer, records in by_layer.items():
       active = np.array([r["active"] for r in records])
       capacities = sorted({r["capacity"] for r in records})
-      dropped = max(r["dropped_share"] for r in records)
+      dropped = np.max([r["dropped_share"] for r in records])  # NaN when dY was not finite
       lines.append(f"{layer:<{width}}  {len(records):5d}  {records[0]['rows']:5d}  "
                    f"{active.mean():9.1f}/{active.max():<6d}  {max(r['kept'] for r in records):9d}"
                    f"  {','.join(map(str, capacities)):>10}  {dropped:.3g}")

@@ -11,9 +11,10 @@ turns dY, flattened to ``[T, N]``, into a static-size index set ``active_rows: i
   ``T``. Padding with a valid index (``jnp.nonzero``'s default 0) would count a row twice in dW.
 
 Cost, per layer and step, for ``T`` rows of width ``N``: one fused pass over dY (squared norm and
-max-abs together, float32 accumulation), then either an O(T) compaction (``jnp.nonzero`` with a
-static size: the common case, padding rows are exactly zero so ``#active <= top_n``) or, only when
-more rows are active than fit, an O(T log T) ``lax.top_k``. ``lax.cond`` runs one of the two.
+max-abs together, float32 accumulation, float64 for float64 dY), then either an O(T) compaction
+(``jnp.nonzero`` with a static size: the common case, padding rows are exactly zero so
+``#active <= top_n``) or, only when more rows are active than fit, an O(T log T)
+``lax.top_k``. ``lax.cond`` runs one of the two.
 Under ``vmap`` the cond becomes a select and both run, which is correct but slower.
 
 Determinism: ties in norm go to the lower row index (``lax.top_k`` is stable) and the output is
@@ -29,21 +30,31 @@ from jax import lax
 Array = jax.Array
 
 
+def score_dtype(dtype) -> jnp.dtype:
+  """The dtype rows of dY of ``dtype`` are scored in: float32 for 16-bit and float32 dY,
+  float64 for float64 (complex: of the magnitudes), so that no non-zero row scores zero."""
+  return jnp.promote_types(jnp.finfo(dtype).dtype, jnp.float32)
+
+
+def row_magnitudes(dy: Array) -> Array:
+  """``|dy|`` in :func:`score_dtype`; a complex entry's modulus, imaginary part included."""
+  return jnp.abs(dy).astype(score_dtype(dy.dtype))
+
+
 def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
   """Scores the rows of ``dy: [T, N]``.
 
   Returns:
-    ``(scores, active)``, both ``[T]``: ``scores`` is the float32 squared L2 norm of each row
-    (monotone in the norm, so no square root is needed to rank), ``+inf`` for a row holding NaN
-    or Inf and ``-1`` for an inactive row; ``active`` is True for a row whose max ``|value|``
-    exceeds ``threshold`` or that is not finite.
+    ``(scores, active)``, both ``[T]``: ``scores`` is the squared L2 norm of each row in
+    :func:`score_dtype` (monotone in the norm, so no square root is needed to rank), ``+inf``
+    for a row holding NaN or Inf and ``-1`` for an inactive row; ``active`` is True for a row
+    whose max ``|value|`` exceeds ``threshold`` or that is not finite.
   """
-  # A complex row is scored by the magnitudes of its entries, imaginary parts included.
-  dy32 = (jnp.abs(dy) if jnp.iscomplexobj(dy) else dy).astype(jnp.float32)
-  squared_norm = jnp.sum(dy32 * dy32, axis=-1)
-  max_abs = jnp.max(jnp.abs(dy32), axis=-1)
+  magnitudes = row_magnitudes(dy)
+  squared_norm = jnp.sum(magnitudes * magnitudes, axis=-1)
+  max_abs = jnp.max(magnitudes, axis=-1)
   # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
-  # squares overflow float32: it is huge, so ranking it first is right as well).
+  # squares overflow the score dtype: it is huge, so ranking it first is right as well).
   finite = jnp.isfinite(squared_norm)
   active = (max_abs > threshold) | ~finite
   scores = jnp.where(finite, squared_norm, jnp.inf)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sebp_jax.analysis import estimate_threshold, format_table, layer_table, plot_row_heatmap
+from sebp_jax.analysis import (dropped_share, estimate_threshold, format_table, layer_table,
+                               plot_row_heatmap)
 
 
 def _mixture(rng, noise_share, size=4000, noise_centre=-8.0, signal_centre=-3.0, spread=0.5):
@@ -106,14 +107,21 @@ def test_scale_invariant():
   np.testing.assert_allclose(estimate_threshold(values * 1e3), threshold * 1e3, rtol=1e-6)
 
 
-@pytest.mark.parametrize("values,match", [
-    (np.array([]), "values is empty"),
-    (np.zeros((4, 3)), "values has no finite non-zero"),
-    (np.full(5, np.nan), "values has no finite non-zero"),
-])
-def test_rejects_values_without_positive_entries(values, match):
-  with pytest.raises(ValueError, match=match):
-    estimate_threshold(values)
+@pytest.mark.parametrize("values", [np.array([]), np.zeros((4, 3)), np.full(5, np.nan),
+                                    np.array([0.0, np.inf, -np.inf])])
+def test_values_without_positive_entries_have_no_noise_floor(values, tmp_path):
+  assert estimate_threshold(values, plot=tmp_path / "cdf.png") == 0.0
+  assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_complex_values_count_by_their_modulus():
+  rng = np.random.default_rng(12)
+  noise, signal = _mixture(rng, 0.4, size=3000)
+  magnitudes = np.concatenate([noise, signal])
+  phases = rng.uniform(0, 2 * np.pi, magnitudes.size)
+  threshold = estimate_threshold(magnitudes * np.exp(1j * phases))
+  assert threshold == pytest.approx(estimate_threshold(magnitudes), rel=1e-9)
+  _assert_separates(threshold, noise, signal)
 
 
 @pytest.mark.parametrize("bins", [3, 15, 200.0, True])
@@ -272,3 +280,10 @@ def test_plot_row_heatmap_rejects_what_it_cannot_draw(tmp_path, kwargs, match):
   records = _random_records(np.random.default_rng(4), rows=4 * 12)
   with pytest.raises(ValueError, match=match):
     plot_row_heatmap(records, tmp_path / "heatmap.png", **kwargs)
+
+
+def test_dropped_share_is_nan_where_dy_is_not_finite_as_in_the_row_log():
+  for bad in (np.nan, np.inf):
+    assert np.isnan(dropped_share([1.0, bad, 0.0], [1.0, bad, 0.0]))
+  assert dropped_share([0.0, 0.0], [0.0, 0.0]) == 0.0
+  assert dropped_share([1.0, 2.0], [1.0, 3.0], top_n=1) == 0.25

@@ -147,6 +147,17 @@ def test_the_row_log_reports_what_the_backward_did(options, kept, capacity):
   np.testing.assert_allclose(record["dropped_share"], dropped, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_the_row_log_reports_a_nan_share_where_dy_is_not_finite(bad):
+  x, kernel, dy = _problem(8, num_nonzero=20)
+  log = RowLog()
+  _backward(x, kernel, dy.at[3, 1].set(bad), top_n=10, overflow="drop",
+            row_log=log.for_layer("dense"))
+  (record,) = log.records
+  assert np.isnan(record["dropped_share"])
+  assert "nan" in log.summary()
+
+
 def test_no_rows_at_all():
   for top_n in ("auto", 4):
     dx, dkernel, dbias = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),

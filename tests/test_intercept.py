@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
                           FlaxLlamaForCausalLM, LlamaConfig)
@@ -129,13 +130,26 @@ def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
   assert len(report.shared_index) == 12 + 3  # and the three embedding lookups
 
 
-def test_an_already_compiled_function_is_loud(tiny_bert):
+def test_a_function_compiled_before_is_traced_again_or_loud(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
   forward = jax.jit(lambda params: tiny_bert(ids, attention_mask=mask, params=params).logits)
   forward(tiny_bert.params)
-  with pytest.raises(RuntimeError, match="swapped no Dense layer"):
-    with use_sebp(top_n=4):
-      forward(tiny_bert.params)  # Cache hit: nothing is traced, so the dense version would run.
+  # The context is part of jit's cache key: a function compiled outside is traced again in it.
+  with use_sebp(top_n=4) as report:
+    forward(tiny_bert.params)
+  assert report.num_swapped == 12
+  # An equal context takes the compiled program, and the report of the trace that made it.
+  with use_sebp(top_n=4) as again:
+    forward(tiny_bert.params)
+  assert again == report
+  # A program compiled ahead of time runs what it was compiled with: nothing is traced.
+  compiled = jax.jit(lambda params: tiny_bert(ids, attention_mask=mask,
+                                              params=params).logits).lower(
+                                                  tiny_bert.params).compile()
+  with pytest.raises(RuntimeError, match="swapped no Dense layer. No Dense layer was traced "
+                     r"in it.*ahead of time"):
+    with use_sebp(top_n=5):
+      compiled(tiny_bert.params)
 
 
 def test_decorator_form_and_grad(tiny_bert):
@@ -220,6 +234,12 @@ def test_layers_with_a_custom_dot_general_stay_dense():
 def test_bad_arguments():
   with pytest.raises(ValueError, match="top_n"):
     use_sebp(top_n=0)
+  with pytest.raises(ValueError, match=r"active_mask must be an array of token flags.*<U1\[2\]"):
+    use_sebp(active_mask=np.array(["a", "b"]))
+  with pytest.raises(ValueError, match="active_mask must be an array of token flags"):
+    use_sebp(active_mask=[[1, 0], [1]])
+  with pytest.raises(ValueError, match=r"at least 1-D.*\[\]"):
+    use_sebp(active_mask=1)
   with pytest.raises(ValueError, match="kept fraction"):
     use_sebp(top_n=1.5)
   with pytest.raises(ValueError, match="threshold"):
@@ -497,3 +517,148 @@ def test_an_empty_batch_works():
   for options in (dict(active_mask=empty_mask), {}):
     grads = _mlp_grads(params, empty_x, empty_mask, require_swaps=True, **options)
     assert not any(np.any(g) for g in jax.tree.leaves(grads))
+
+
+# ---------------------------------------------------------------------------------------------
+# The corners: a cut index, square batches, encoder-decoders, contexts around jitted calls.
+# ---------------------------------------------------------------------------------------------
+
+
+class OneDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(7)(x)
+
+
+def test_overflow_nan_counts_the_real_tokens_a_traced_index_cuts():
+  """18 real tokens, of which 3 have a zero dY (a label of -100): 15 active rows fit in
+  top_n=15, but the index of the first 15 real tokens cuts 3 that carry gradient."""
+  rng = np.random.default_rng(30)
+  x = jnp.asarray(rng.standard_normal((2, 10, 5)), jnp.float32)
+  mask = (np.arange(10)[None] < 9).repeat(2, axis=0).astype(np.float32)
+  weights = rng.standard_normal((2, 10, 7)).astype(np.float32) * mask[..., None]
+  weights[0, :3] = 0
+  params = OneDense().init(jax.random.key(30), x)
+
+  def loss(params, mask, top_n):
+    with use_sebp(top_n=top_n, overflow="nan", active_mask=mask, backend="xla"):
+      return jnp.sum(OneDense().apply(params, x) * weights)
+
+  grad = jax.jit(jax.grad(loss), static_argnums=2)
+  assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(grad(params, mask, 15)))
+  dense = jax.grad(lambda p: jnp.sum(OneDense().apply(p, x) * weights))(params)
+  assert_every_gradient_close(grad(params, mask, 18), dense)
+
+
+def test_overflow_nan_on_a_causal_lm_whose_last_positions_weigh_nothing(tiny_llama):
+  """Each sequence's last real token predicts nothing: with top_n = real tokens - 3 the
+  active rows fit, the real tokens do not, and every gradient is NaN (the loss too, with a
+  loss capacity that does not hold them either)."""
+  ids, mask = _padded_batch(np.random.default_rng(31), 3, 16, 120)
+  num_real = int(mask.sum())
+
+  def loss(params, mask, top_n):
+    options = dict(top_n=top_n, overflow="nan", active_mask=mask, lm_head=True, backend="xla")
+    return causal_lm_loss(tiny_llama, ids, mask, options)(params)
+
+  grad = jax.jit(jax.grad(loss), static_argnums=2)
+  assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(grad(tiny_llama.params, mask,
+                                                               num_real - 3)))
+  assert_every_gradient_close(grad(tiny_llama.params, mask, num_real),
+                              jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params))
+
+
+class SquareMixed(nn.Module):
+  """A token layer, then one fed the batch transposed: [L, B] rows, as many as [B, L]."""
+
+  @nn.compact
+  def __call__(self, x, mask):
+    h = nn.Dense(6, name="tokens")(x) * mask[..., None]
+    flipped = nn.Dense(6, name="time_major")(jnp.swapaxes(h, 0, 1))
+    return jnp.sum(jnp.swapaxes(flipped, 0, 1) * mask[..., None])
+
+
+def test_a_square_batch_cannot_tell_a_transposed_layer_from_its_own(tiny_bert, caplog):
+  rng = np.random.default_rng(32)
+  x = jnp.asarray(rng.standard_normal((5, 5, 4)), jnp.float32)
+  mask = np.arange(5)[None] < rng.integers(1, 5, (5, 1))
+  params = SquareMixed().init(jax.random.key(32), x, mask)
+  reports = []
+
+  def loss(params, sebp):
+    if not sebp:
+      return SquareMixed().apply(params, x, mask)
+    with use_sebp(active_mask=mask, backend="xla") as report:
+      reports.append(report)
+      return SquareMixed().apply(params, x, mask)
+
+  assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
+  # [B, L] or [L, B]: a model of one's own says nothing, so both layers select their own rows.
+  assert set(reports[0].own_rows) == {"tokens", "time_major"} and not reports[0].shared_index
+  assert "cannot tell a [B, L] batch from a transposed one" in caplog.text
+  # transformers' BERT feeds every layer [B, L] rows: the shared index, exact.
+  ids, bert_mask = _padded_batch(rng, 8, 8, 120)
+  labels = rng.integers(0, 2, 8)
+  kwargs = dict(active_mask=bert_mask, backend="xla")
+  with use_sebp(**kwargs) as report:
+    tiny_bert(ids, attention_mask=bert_mask)
+  assert len(report.shared_index) == 12 + 3 and not report.own_rows
+  assert_every_gradient_close(
+      jax.jit(jax.grad(classification_loss(tiny_bert, ids, bert_mask, labels, kwargs)))(
+          tiny_bert.params),
+      jax.grad(classification_loss(tiny_bert, ids, bert_mask, labels))(tiny_bert.params))
+
+
+def test_an_encoder_decoder_model_refuses_one_mask_and_is_exact_without():
+  from transformers import BartConfig, FlaxBartForConditionalGeneration
+  config = BartConfig(vocab_size=60, d_model=16, encoder_layers=1, decoder_layers=1,
+                      encoder_attention_heads=2, decoder_attention_heads=2,
+                      encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+  bart = FlaxBartForConditionalGeneration(config, seed=0)
+  rng = np.random.default_rng(33)
+  # Encoder and decoder padded to the same length, as seq2seq fine-tuning pads them.
+  ids, mask = _padded_batch(rng, 3, 8, 60)
+  decoder_ids, decoder_mask = _padded_batch(rng, 3, 8, 60)
+
+  def loss(params, options=None):
+    with use_sebp(**options) if options is not None else nullcontext():
+      logits = bart(ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                    decoder_attention_mask=decoder_mask, params=params).logits
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, decoder_ids)
+    return jnp.sum(losses * decoder_mask) / decoder_mask.sum()
+
+  with pytest.raises(ValueError, match="encoder-decoder model.*Leave active_mask out"):
+    jax.grad(loss)(bart.params, dict(active_mask=mask, backend="xla"))
+  # Without it every layer selects its own rows from dY, the LM head too.
+  assert_every_gradient_close(jax.grad(loss)(bart.params, dict(lm_head=True, backend="xla")),
+                              jax.grad(loss)(bart.params))
+
+
+def test_a_context_around_a_jitted_call_never_runs_another_contexts_program():
+  """A function jitted outside the context and traced inside it (the index of a numpy mask
+  baked in) is traced again for another mask, or outside any context; an equal context
+  reuses its program and report."""
+  traces = []
+
+  def dense_loss(params, x, mask):
+    traces.append(1)
+    return PlainMLP().apply(params, x, mask)
+
+  grad = jax.jit(jax.grad(dense_loss))
+  params, x, mask = _mlp_problem(34, [3, 5, 2, 4])
+  _, x2, mask2 = _mlp_problem(35, [16, 1, 9, 6])
+  with use_sebp(active_mask=np.asarray(mask), backend="xla") as first:
+    grad(params, x, mask)
+  assert first.shared_index == ["Dense_0", "Dense_1"] and len(traces) == 1
+  # Outside any context, on another batch: traced again, dense.
+  assert_every_gradient_close(grad(params, x2, mask2), _dense_mlp_grads(params, x2, mask2))
+  assert len(traces) == 2
+  with use_sebp(active_mask=np.asarray(mask2), backend="xla") as second:
+    got = grad(params, x2, mask2)
+  assert second.shared_index == ["Dense_0", "Dense_1"] and len(traces) == 3
+  assert_every_gradient_close(got, _dense_mlp_grads(params, x2, mask2))
+  # The first context again: its program, no trace, and its trace's report.
+  with use_sebp(active_mask=np.asarray(mask), backend="xla") as again:
+    got = grad(params, x, mask)
+  assert len(traces) == 3 and again == first
+  assert_every_gradient_close(got, _dense_mlp_grads(params, x, mask))

@@ -42,6 +42,25 @@ def test_matches_the_reference_and_ignores_padding():
   assert np.all(np.any(grad[0, :-1] != 0, axis=-1))
 
 
+@pytest.mark.parametrize("capacity", [None, 16])
+@pytest.mark.parametrize("padding_id", [-100, 11, 10**6])
+def test_padding_may_hold_any_id(padding_id, capacity):
+  rng = np.random.default_rng(2)
+  logits = rng.standard_normal((3, 7, 11)).astype(np.float32)
+  ids = rng.integers(0, 11, size=(3, 7)).astype(np.int32)
+  mask = (np.arange(7)[None] < np.array([[7], [4], [2]])).astype(np.int32)
+  padded = np.where(mask, ids, padding_id).astype(np.int32)
+  loss, grad = jax.value_and_grad(masked_causal_lm_loss)(jnp.asarray(logits), padded, mask,
+                                                         capacity=capacity)
+  np.testing.assert_allclose(loss, _reference(logits, ids, mask), rtol=1e-6)
+  want = jax.grad(masked_causal_lm_loss)(jnp.asarray(logits), ids, mask, capacity=capacity)
+  np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-8)
+  # A real token out of the vocabulary is an error of the data: the loss says so.
+  broken = padded.copy()
+  broken[0, 3] = padding_id
+  assert np.isnan(masked_causal_lm_loss(jnp.asarray(logits), broken, mask, capacity=capacity))
+
+
 def test_bf16_logits_are_summed_in_float32():
   rng = np.random.default_rng(1)
   logits = jnp.asarray(rng.standard_normal((2, 5, 9)), jnp.bfloat16)

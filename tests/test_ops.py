@@ -75,6 +75,28 @@ def test_float64_exact():
       np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale", [1e-45, 1e-200])
+def test_float64_rows_below_float32s_range_are_active(scale):
+  """float64 dY is scored in float64: a row of 1e-200 is no zero (in float32 it would be)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(13)
+    x, kernel, bias, g = _problem(rng, (3, 8), 5, 4, num_nonzero=6, dtype=np.float64)
+    g = g * scale
+    for options in (dict(top_n=8), dict(top_n="auto"), dict(top_n=4, overflow="drop")):
+      got = _grads(sebp_linear, x, kernel, bias, g, **options)
+      want = _grads(dense_linear, x, kernel, bias, g)
+      kept = reference_active_rows(g.reshape(24, 4), options["top_n"] if options.get(
+          "overflow") == "drop" else 24)
+      assert len(kept) == (4 if options.get("overflow") == "drop" else 6)
+      ref = reference_backward(x.reshape(24, 5), kernel, g.reshape(24, 4), kept)
+      for a, b in zip(got, (ref[0].reshape(x.shape), ref[1], ref[2])):
+        assert a.dtype == jnp.float64 and np.any(a != 0)
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)
+      if "overflow" not in options:
+        for a, b in zip(got, want):
+          np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)
+
+
 def test_top_n_below_nonzero_rows_drops_the_rest_only_when_asked():
   rng = np.random.default_rng(4)
   x, kernel, bias, g = _problem(rng, (6, 8), 20, 10, num_nonzero=30)

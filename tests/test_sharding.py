@@ -263,6 +263,32 @@ def test_top_n_counts_per_shard():
       too_small(*args)
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
+def test_overflow_nan_counts_the_real_tokens_a_shards_index_cuts(axis_type):
+  """One shard holds more real tokens than top_n, but as many active ones, some of its real
+  tokens weighing nothing: the tokens its index cuts make every gradient NaN."""
+  model, params, inputs = _linen_case(axis_type)
+  mask = np.zeros((BATCH, LENGTH), bool)
+  mask[:, :5] = True
+  mask[2:4, :12] = True  # The second shard: 24 real tokens, the others 10.
+  weights = mask.copy()
+  weights[2, :4] = False  # of which 20 weigh anything
+
+  def loss(params, inputs, mask, top_n):
+    with use_sebp(backend="xla", active_mask=mask, top_n=top_n, overflow="nan",
+                  batch_axes="data" if axis_type == AxisType.Auto else None):
+      outputs = model.apply(params, inputs)
+    return _masked_loss(outputs, weights)
+
+  want = jax.grad(lambda p: _masked_loss(model.apply(p, inputs), weights))(params)
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    args = (_put(params, mesh, P()), *_put((inputs, mask), mesh, P("data")))
+    grad = jax.jit(jax.grad(loss), static_argnums=3)
+    assert all(np.isnan(np.asarray(g)).all() for g in jax.tree.leaves(grad(*args, 20)))
+    assert_every_gradient_close(grad(*args, 24), want, rtol=2e-5)
+
+
 def test_auto_capacity_from_a_host_mask_is_the_fullest_shards_rung():
   """"auto" with a host mask: every shard runs the rung that holds the fullest shard's real
   tokens (the row log's capacity), not the whole batch's."""

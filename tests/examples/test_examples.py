@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from examples import finetune_bert_sst2, finetune_llama, finetune_llama_nnx
-from examples.common import max_loss_difference, time_forward_backward
+from examples.common import max_loss_difference, speedups, time_forward_backward
 from examples.datasets import DATA_DIR
 
 EXAMPLES = [finetune_bert_sst2, finetune_llama, finetune_llama_nnx]
@@ -60,14 +60,24 @@ def test_max_loss_difference(capsys):
   assert "largest per-step loss difference, dense vs SEBP: 5.00e-01" in capsys.readouterr().out
 
 
-def test_time_forward_backward_reports_milliseconds():
+def test_time_forward_backward_reports_milliseconds_of_interleaved_rounds(capsys):
   loss_fns = {"dense": lambda params, batch: jnp.sum((batch["x"] @ params) ** 2),
               "sebp": lambda params, batch: jnp.sum(batch["x"] @ params)}
-  timings = time_forward_backward(loss_fns, jnp.ones((4, 2)), {"x": jnp.ones((3, 4))}, repeats=2)
+  timings = time_forward_backward(loss_fns, jnp.ones((4, 2)), {"x": jnp.ones((3, 4))}, repeats=3)
   assert set(timings) == {"dense", "sebp"}
   for timing in timings.values():
-    assert set(timing) == {"forward_ms", "forward_backward_ms", "backward_ms"}
-    assert all(value > 0 for value in timing.values())
+    assert set(timing) == {"forward_ms", "forward_backward_ms", "backward_ms", "rounds"}
+    for stage, rounds in timing["rounds"].items():
+      assert len(rounds) == 3 and min(rounds) > 0
+      assert timing[f"{stage}_ms"] == np.median(rounds)
+  ratios = speedups(timings, 3, kept_fraction=0.9)
+  for stage in ("backward", "forward_backward"):
+    per_round = np.divide(timings["dense"]["rounds"][stage], timings["sebp"]["rounds"][stage])
+    assert ratios[stage] == np.median(per_round)
+    assert ratios[f"{stage}_range"] == [per_round.min(), per_round.max()]
+  out = capsys.readouterr().out
+  assert "median of 3 interleaved rounds" in out
+  assert ("keeps 90% of the rows" in out) == (ratios["backward"] < 1)
 
 
 @pytest.mark.slow

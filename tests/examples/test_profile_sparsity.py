@@ -20,7 +20,7 @@ BERT_BLOCK = ("attention/self/query", "attention/self/key", "attention/self/valu
 
 
 def _run(tmp_path, *options):
-  summary = profile_sparsity.main([*options, "--out-dir", str(tmp_path)])
+  summary = profile_sparsity.main([*options, "--out", str(tmp_path)])
   for name in ("cdf.png", "heatmap.png"):
     assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
   assert json.loads((tmp_path / "layers.json").read_text()) == summary
@@ -60,7 +60,7 @@ def test_help_and_bad_arguments(capsys):
     profile_sparsity.parse_args(["--help"])
   out = capsys.readouterr().out
   assert out.startswith("usage: python -m examples.profile_sparsity ")
-  for option in ("--model", "--steps", "--top-n", "--threshold", "--out-dir"):
+  for option in ("--model", "--steps", "--top-n", "--threshold", "--out"):
     assert option in out
   for bad in (["--threshold", "-1"], ["--threshold", "knee"], ["--steps", "0"],
               ["--top-n", "0"], ["--model", "gpt2"]):
