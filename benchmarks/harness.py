@@ -67,18 +67,22 @@ def append_json_lines(path: str | pathlib.Path | None, records: Iterable[dict]) 
       f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def parse_pairs(text: str, what: str = "DxN") -> list[tuple[int, int]]:
+  """A comma list of pairs of positive ints written ``what`` (``"2048x512"``)."""
+  pairs = [item.lower().split("x") for item in text.split(",")]
+  if not all(len(pair) == 2 and all(v.isdigit() and int(v) > 0 for v in pair)
+             for pair in pairs):
+    raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got {text!r}")
+  return [(int(a), int(b)) for a, b in pairs]
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
   """``"all"``, a model name of :data:`SHAPES`, or a comma list of ``DxN``."""
   if text == "all":
     return ALL_SHAPES
   if text in SHAPES:
     return SHAPES[text]
-  shapes = [item.lower().split("x") for item in text.split(",")]
-  if not all(len(shape) == 2 and all(v.isdigit() and int(v) > 0 for v in shape)
-             for shape in shapes):
-    raise argparse.ArgumentTypeError(
-        f"expected 'all', one of {sorted(SHAPES)} or a comma list of DxN, got {text!r}")
-  return [(int(d), int(n)) for d, n in shapes]
+  return parse_pairs(text, f"DxN, 'all' or one of {sorted(SHAPES)}")
 
 
 def parse_positive_ints(text: str) -> list[int]:

@@ -120,6 +120,10 @@ SETUPS = {
                   "sst2_dev_bert_wordpiece.json", has_lm_head=False),
     "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
                    has_lm_head=True),
+    # Long context: WikiText-2 sections (mean about 500 tokens, a tail past 2,000), about
+    # 8k real tokens a batch.
+    "llama_long": Setup("Llama-3.2-1B shapes, long context (WikiText-2 sections)", 16, 2560,
+                        "wikitext2_valid_sections_smollm2_bpe.json", has_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
     "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
                        "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
@@ -186,7 +190,7 @@ def build_model(kind: str, tiny: bool, dtype):
     return FlaxBertForSequenceClassification(config, seed=0, dtype=dtype)
   config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                        num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
-                       max_position_embeddings=1024, rope_theta=500000.0,
+                       max_position_embeddings=SETUPS[kind].length, rope_theta=500000.0,
                        tie_word_embeddings=True)
   if tiny:
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -450,6 +454,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   params = model.params
   batch = make_batch(kind, model, setup, seed, shards=devices)
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
+  num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
   optimizer = optax.adamw(1e-5)
   mesh = data_parallel_mesh(devices)
   sharding, put_batch, step_shardings = {}, (lambda b: b), None
@@ -497,6 +502,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         repeats=repeats, backend=backend, devices=devices, fsdp=fsdp,
         collectives=collective_counts(compiled_step),
         collective_bytes=collective_bytes(compiled_step)))
+    rows[-1].update(real_token_throughput(rows[-1], num_params))
     dense = next((r for r in rows if r["mode"] == "dense"), None)
     row = rows[-1]
     one_device = next((r for r in baseline if r["model"] == kind and r["mode"] == mode), None)
@@ -510,6 +516,21 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         row["peak_memory_vs_dense"] = row["peak_bytes"] / dense["peak_bytes"]
     append_json_lines(out, [row])
   return rows
+
+
+#: Dense bf16 peak FLOP/s of the cards measured here, by a name in their device kind.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def real_token_throughput(row: dict, num_params: int) -> dict:
+  """Real tokens a second of a step, and the real-token MFU: 6 · parameters · real tokens /
+  step time / the card's peak bf16 FLOP/s (None on a card not in :data:`PEAK_BF16_FLOPS`)."""
+  tokens_per_s = row["real_tokens"] / (row["step_ms"] / 1e3)  # every device's batch
+  peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in row["device"]),
+              None)
+  return {"num_params": num_params, "real_tokens_per_s": tokens_per_s,
+          "real_token_mfu": None if peak is None else 6 * num_params * tokens_per_s
+          / (peak * row["devices"])}
 
 
 def print_table(rows) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import pathlib
 import sys
-from typing import Callable, Iterable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -17,9 +18,11 @@ from tqdm import tqdm
 
 from benchmarks.harness import median_ms
 from examples.datasets import DATA_DIR
-from sebp_jax import RowLog, use_sebp
+from sebp_jax import RowLog, capacity_buckets, token_capacity, use_sebp
 
 LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
+#: (params, batch, capacity) -> scalar loss: SEBP at that static capacity, dense for None.
+CapacityLossFn = Callable[[dict, dict, "int | None"], jax.Array]
 
 
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
@@ -70,8 +73,9 @@ def sebp_context(top_n: int | None, attention_mask, **sebp_kwargs):
   """``use_sebp`` on the index of the batch's real tokens (more ``use_sebp`` arguments in
   ``sebp_kwargs``), or nothing (dense) for None.
 
-  ``top_n`` covers every batch of the run, picked on the host, so no batch can overflow it:
-  ``overflow="nan"`` compiles no run-time branch (and would show a mistake as NaN)."""
+  ``top_n`` covers the batch, picked on the host (:func:`run_capacities`), so it cannot
+  overflow: ``overflow="nan"`` compiles no run-time branch (and would show a mistake as
+  NaN)."""
   if top_n is None:
     return contextlib.nullcontext()
   return use_sebp(top_n=top_n, overflow="nan", active_mask=attention_mask, **sebp_kwargs)
@@ -86,24 +90,38 @@ def print_row_log(log: RowLog | None) -> str | None:
   return table
 
 
-def fit(loss_fn: LossFn, params: dict, train_batches: Iterable[dict],
-        optimizer: optax.GradientTransformation, desc: str) -> tuple[dict, list[float]]:
-  """Runs one jitted optimizer step per batch with a progress bar; returns params and losses."""
+def run_capacities(train_batches: list[dict], count: int = 4) -> list[int]:
+  """Each batch's packing capacity (and SEBP ``top_n``), picked on the host from a short
+  geometric ladder over the run (:func:`sebp_jax.capacity_buckets`): at most ``count``
+  compiles of the step, each batch in the smallest bucket that holds its real tokens."""
+  masks = [batch["attention_mask"] for batch in train_batches]
+  buckets = capacity_buckets(max(int(np.count_nonzero(m)) for m in masks), count)
+  return [token_capacity(mask, buckets=buckets) for mask in masks]
 
-  @jax.jit
-  def train_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+
+def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
+        optimizer: optax.GradientTransformation, desc: str,
+        capacities: list[int | None]) -> tuple[dict, list[float], int]:
+  """Runs one jitted optimizer step per batch with a progress bar, each batch at its static
+  capacity (None: dense); returns params, losses and how many times the step compiled."""
+  compiles = []
+
+  @functools.partial(jax.jit, static_argnames="capacity")
+  def train_step(params, opt_state, batch, capacity):
+    compiles.append(capacity)  # Runs only while tracing: once per compile.
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch, capacity)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   opt_state = optimizer.init(params)
   losses = []
-  progress = tqdm(train_batches, desc=f"{desc:>5}", unit="step", file=sys.stdout)
-  for batch in progress:
-    params, opt_state, loss = train_step(params, opt_state, batch)
+  progress = tqdm(zip(train_batches, capacities), total=len(train_batches),
+                  desc=f"{desc:>5}", unit="step", file=sys.stdout)
+  for batch, capacity in progress:
+    params, opt_state, loss = train_step(params, opt_state, batch, capacity=capacity)
     losses.append(float(loss))
     progress.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
-  return params, losses
+  return params, losses, len(compiles)
 
 
 def time_forward_backward(loss_fns: dict[str, LossFn], params: dict, batch: dict,

@@ -54,6 +54,28 @@ def load_sst2(split: str, data_dir: str | pathlib.Path = DATA_DIR,
   return examples
 
 
+def load_wikitext2_sections(data_dir: str | pathlib.Path = DATA_DIR) -> list[str]:
+  """WikiText-2 validation sections: the paragraphs between two headings (any level), one
+  text each, paragraphs joined by newlines; long documents of the kind long-context
+  fine-tuning packs.
+
+  Args:
+    data_dir: folder holding ``wikitext2/valid.txt``.
+  """
+  path = _dataset_file(data_dir, "wikitext2", "valid.txt")
+  sections, current = [], []
+  with path.open(encoding="utf-8") as lines:
+    for line in lines:
+      text = line.strip()
+      if text.startswith("=") and text.endswith("="):
+        sections.append(current)
+        current = []
+      elif text:
+        current.append(text)
+  sections.append(current)
+  return ["\n".join(paragraphs) for paragraphs in sections if paragraphs]
+
+
 def load_wikitext2(data_dir: str | pathlib.Path = DATA_DIR) -> list[str]:
   """WikiText-2 validation paragraphs, stripped, without blank lines and ``= Heading =`` lines.
 

@@ -18,6 +18,7 @@ From the repository root:
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
@@ -26,7 +27,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import finish_run, fit, loss_trend, parse_training_args, sebp_context
+from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
+                             sebp_context)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -43,14 +45,14 @@ def parse_args(argv=None):
                              timing_repeats=5, out="runs/sst2", extra=dev_examples)
 
 
-def make_loss(model, sebp_top_n: int | None, packed: bool, row_log: RowLog | None = None):
-  """Mean cross-entropy of a batch; with ``sebp_top_n``, the encoder packed onto the batch's
-  real tokens (``packed``) or its Dense layers on SEBP with their index (exact either way: the
-  loss reads [CLS] only and attention masks padding). Dropout is off: the run is short, and
-  dense and SEBP then see identical forwards."""
-  def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"], packed=packed,
-                      row_log=row_log):
+def make_loss(model, packed: bool, row_log: RowLog | None = None):
+  """Mean cross-entropy of a batch; with a static ``capacity`` (the batch's, picked on the
+  host), the encoder packed onto the batch's real tokens in that many slots (``packed``) or
+  its Dense layers on SEBP with their index at that capacity (exact either way: the loss
+  reads [CLS] only and attention masks padding); dense without. Dropout is off: the run is
+  short, and dense and SEBP then see identical forwards."""
+  def loss_fn(params, batch, capacity):
+    with sebp_context(capacity, batch["attention_mask"], packed=packed, row_log=row_log):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
@@ -95,37 +97,42 @@ def main(argv=None) -> dict:
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
   train_batches = load_train_batches(tokenizer, args)
 
-  # top_n must be static: the most real tokens in any batch of the run, so every step is exact
-  # (and, packed, one compiled step serves them all).
+  # Each batch packs into the smallest of four capacities that holds it, picked on the host:
+  # static, so exact, and at most four compiles of the step.
+  capacities = run_capacities(train_batches)
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
-  top_n = max(real_tokens)
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows} "
-        f"({top_n / rows:.0%} of rows kept by SEBP)")
+        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
+        f"capacities {sorted(set(capacities))} (SEBP keeps {np.mean(capacities) / rows:.0%} "
+        "of the rows on average)")
 
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
                                                 args.steps)
   optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
-  losses_of = lambda log: {mode: make_loss(model, top_n if mode == "sebp" else None,
-                                           args.packed, log if mode == "sebp" else None)
-                           for mode in MODES}
-  loss_fns = losses_of(row_log)
+  loss_fns = {"dense": make_loss(model, args.packed),
+              "sebp": make_loss(model, args.packed, row_log)}
+  dense_capacities = [None] * len(capacities)
   results = {}
   for mode in MODES:
-    params, losses = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
+    params, losses, compiles = fit(loss_fns[mode], initial_params, train_batches, optimizer,
+                                   mode, capacities if mode == "sebp" else dense_capacities)
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
-    results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy}
-    print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}")
+    results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy, "compiles": compiles}
+    print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "
+          f"compiled {compiles} time{'s' * (compiles != 1)}")
 
   fields = {
-      "model": "all-MiniLM-L6-v2", "task": "SST-2", "sebp_top_n": top_n,
-      "kept_fraction": top_n / rows, "packed": args.packed,
+      "model": "all-MiniLM-L6-v2", "task": "SST-2", "capacities": sorted(set(capacities)),
+      "kept_fraction": capacities[0] / rows, "packed": args.packed,
+      **{f"{mode}_compiles": results[mode]["compiles"] for mode in MODES},
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
   }
-  return finish_run(args, losses_of(None), initial_params, train_batches[0],
+  timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
+           "sebp": functools.partial(make_loss(model, args.packed), capacity=capacities[0])}
+  return finish_run(args, timed, initial_params, train_batches[0],
                     {mode: results[mode]["losses"] for mode in MODES}, row_log, fields,
                     {m: f"{m} (dev acc {results[m]['dev_accuracy']:.1%})" for m in MODES},
                     f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; SEBP"

@@ -21,11 +21,13 @@ writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the reposi
 from __future__ import annotations
 
 import argparse
+import functools
 
 import numpy as np
 import optax
 
-from examples.common import finish_run, fit, loss_trend, parse_training_args, sebp_context
+from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
+                             sebp_context)
 from examples.datasets import batches, encode_fixed_length, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog
@@ -46,17 +48,18 @@ def _add_lm_head_flag(parser):
                            "(use_sebp(lm_head=...)); packed, it runs on the real tokens anyway")
 
 
-def make_loss(model, sebp_top_n: int | None, lm_head: bool, packed: bool, row_log: RowLog | None = None):
-  """Masked next-token loss; with ``sebp_top_n``, the model packed onto the real tokens
-  (``packed``) or its projections (and with ``lm_head`` the LM head) on SEBP with the shared
-  index, and the loss's log-softmax on ``sebp_top_n`` rows."""
-  def loss_fn(params, batch):
-    with sebp_context(sebp_top_n, batch["attention_mask"], lm_head=lm_head, packed=packed,
+def make_loss(model, lm_head: bool, packed: bool, row_log: RowLog | None = None):
+  """Masked next-token loss; with a static ``capacity`` (the batch's, picked on the host), the
+  model packed onto the real tokens in that many slots (``packed``; the loss then reads the
+  LM head's packed rows) or its projections (and with ``lm_head`` the LM head) on SEBP with
+  the shared index, and the loss's log-softmax on ``capacity`` rows; dense without."""
+  def loss_fn(params, batch, capacity):
+    with sebp_context(capacity, batch["attention_mask"], lm_head=lm_head, packed=packed,
                       row_log=row_log):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
     return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
-                                 capacity=sebp_top_n)
+                                 capacity=capacity)
   return loss_fn
 
 
@@ -80,28 +83,35 @@ def main(argv=None) -> dict:
   model, initial_params, tokenizer = load_smollm2()
   train_batches = load_train_batches(tokenizer, args)
 
+  # Each batch in the smallest of four capacities that holds it, picked on the host: static,
+  # so exact, and at most four compiles of the step.
+  capacities = run_capacities(train_batches)
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
-  top_n = max(real_tokens)  # static, and covers every batch: every step is exact
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows}")
+        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
+        f"capacities {sorted(set(capacities))}")
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
-  losses_of = lambda log: {mode: make_loss(model, top_n if mode == "sebp" else None,
-                                           args.lm_head, args.packed,
-                                           log if mode == "sebp" else None)
-                           for mode in MODES}
-  loss_fns = losses_of(row_log)
-  losses = {}
+  loss_fns = {"dense": make_loss(model, args.lm_head, args.packed),
+              "sebp": make_loss(model, args.lm_head, args.packed, row_log)}
+  losses, compiles = {}, {}
   for mode in MODES:
-    _, losses[mode] = fit(loss_fns[mode], initial_params, train_batches, optimizer, mode)
-    print(f"{mode}: {loss_trend(losses[mode], 5)}")
+    _, losses[mode], compiles[mode] = fit(
+        loss_fns[mode], initial_params, train_batches, optimizer, mode,
+        capacities if mode == "sebp" else [None] * len(capacities))
+    print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
+          f"time{'s' * (compiles[mode] != 1)}")
 
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
-            "data": "WikiText-2 valid", "sebp_top_n": top_n, "kept_fraction": top_n / rows,
-            "sebp_lm_head": args.lm_head, "packed": args.packed}
-  return finish_run(args, losses_of(None), initial_params, train_batches[0], losses, row_log,
+            "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
+            "kept_fraction": capacities[0] / rows, "sebp_lm_head": args.lm_head,
+            "packed": args.packed, **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
+  timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
+           "sebp": functools.partial(make_loss(model, args.lm_head, args.packed),
+                                     capacity=capacities[0])}
+  return finish_run(args, timed, initial_params, train_batches[0], losses, row_log,
                     fields, {m: m for m in MODES},
                     f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
                     f"SEBP{' packed' if args.packed else ''}: gradient {{gradient:.2f}}x faster")

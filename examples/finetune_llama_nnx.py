@@ -26,6 +26,7 @@ writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the reposi
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import numpy as np
@@ -33,7 +34,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from examples.common import finish_run, loss_trend, parse_training_args
+from examples.common import finish_run, loss_trend, parse_training_args, run_capacities
 from examples.finetune_llama import load_train_batches
 from examples.pretrained import load_smollm2_nnx, tunix_logits
 from sebp_jax import RowLog
@@ -51,10 +52,10 @@ def parse_args(argv=None):
 
 def loss_of(model: nnx.Module, batch: dict, sebp_top_n: int | None, packed: bool = False,
             row_log: RowLog | None = None):
-  """Masked next-token loss; with ``sebp_top_n`` (a capacity that covers every batch of the
-  run, picked on the host), the model on the batch's real tokens packed in that many slots
-  (``packed``), or its projections on SEBP with the index of the real tokens
-  (``overflow="nan"`` compiles no branch)."""
+  """Masked next-token loss; with ``sebp_top_n`` (the batch's capacity, picked on the host),
+  the model on the batch's real tokens packed in that many slots (``packed``), or its
+  projections on SEBP with the index of the real tokens (``overflow="nan"`` compiles no
+  branch)."""
   mask = batch["attention_mask"]
   if sebp_top_n is not None and packed:
     logits = tunix_logits(model, batch["input_ids"], mask, capacity=sebp_top_n)
@@ -68,24 +69,28 @@ def loss_of(model: nnx.Module, batch: dict, sebp_top_n: int | None, packed: bool
 
 
 def fit(model: nnx.Module, train_batches: list[dict], optimizer: optax.GradientTransformation,
-        sebp_top_n: int | None, packed: bool, row_log: RowLog | None,
-        desc: str) -> list[float]:
-  """One ``nnx.jit`` step per batch, updating ``model`` in place; returns the losses."""
+        capacities: list[int | None], packed: bool, row_log: RowLog | None,
+        desc: str) -> tuple[list[float], int]:
+  """One ``nnx.jit`` step per batch at its static capacity (None: dense), updating ``model``
+  in place; returns the losses and how many times the step compiled."""
   state = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+  compiles = []
 
-  @nnx.jit
-  def train_step(model, state, batch):
+  @functools.partial(nnx.jit, static_argnames="capacity")
+  def train_step(model, state, batch, capacity):
+    compiles.append(capacity)  # Runs only while tracing: once per compile.
     loss, grads = nnx.value_and_grad(
-        lambda model: loss_of(model, batch, sebp_top_n, packed, row_log))(model)
+        lambda model: loss_of(model, batch, capacity, packed, row_log))(model)
     state.update(model, grads)
     return loss
 
   losses = []
-  progress = tqdm(train_batches, desc=f"{desc:>5}", unit="step", file=sys.stdout)
-  for batch in progress:
-    losses.append(float(train_step(model, state, batch)))
+  progress = tqdm(zip(train_batches, capacities), total=len(train_batches),
+                  desc=f"{desc:>5}", unit="step", file=sys.stdout)
+  for batch, capacity in progress:
+    losses.append(float(train_step(model, state, batch, capacity=capacity)))
     progress.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
-  return losses
+  return losses, len(compiles)
 
 
 def main(argv=None) -> dict:
@@ -94,29 +99,35 @@ def main(argv=None) -> dict:
 
   initial, tokenizer = load_smollm2_nnx()
   train_batches = load_train_batches(tokenizer, args)
+  capacities = run_capacities(train_batches)
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
-  top_n = max(real_tokens)
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {top_n} of {rows}")
+        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
+        f"capacities {sorted(set(capacities))}")
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
   labels = {"dense": "dense", "sebp": "packed" if args.packed else "SEBP"}
   row_log = RowLog() if args.row_log else None
-  losses = {}
+  losses, compiles = {}, {}
   for mode in MODES:
     model = nnx.clone(initial)  # Both runs start from the same weights.
-    losses[mode] = fit(model, train_batches, optimizer, top_n if mode == "sebp" else None,
-                       args.packed, row_log if mode == "sebp" else None, labels[mode])
-    print(f"{labels[mode]}: {loss_trend(losses[mode], 5)}")
+    losses[mode], compiles[mode] = fit(
+        model, train_batches, optimizer,
+        capacities if mode == "sebp" else [None] * len(capacities), args.packed,
+        row_log if mode == "sebp" else None, labels[mode])
+    print(f"{labels[mode]}: {loss_trend(losses[mode], 5)}; the step compiled "
+          f"{compiles[mode]} time{'s' * (compiles[mode] != 1)}")
 
   # The same losses as functions of the weights, for the side-by-side timing.
   graphdef, params, rest = nnx.split(initial, nnx.Param, ...)
-  loss_fns = {mode: (lambda params, batch, top_n=top_n if mode == "sebp" else None: loss_of(
-      nnx.merge(graphdef, params, rest), batch, top_n, args.packed)) for mode in MODES}
+  loss_fns = {mode: (lambda params, batch, capacity=capacities[0] if mode == "sebp" else None:
+                     loss_of(nnx.merge(graphdef, params, rest), batch, capacity, args.packed))
+              for mode in MODES}
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized) in Tunix's NNX Llama 3",
-            "data": "WikiText-2 valid", "sebp_top_n": top_n, "kept_fraction": top_n / rows,
-            "packed": args.packed}
+            "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
+            "kept_fraction": capacities[0] / rows, "packed": args.packed,
+            **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
   return finish_run(args, loss_fns, params, train_batches[0], losses, row_log, fields, labels,
                     f"SmolLM2-135M (NNX, Tunix) on WikiText-2, {args.batch_size}x"
                     f"{args.max_length} padded; {labels['sebp']} gradient {{gradient:.2f}}x "

@@ -55,19 +55,20 @@ class Setup:
   learning_rate: float
   weight_decay: float
   lm_head: bool
-  prepare: Callable  # (args) -> (params, train batches, dense loss (params, batch) -> scalar)
+  # (args) -> (params, train batches, dense loss (params, batch, capacity=None) -> scalar)
+  prepare: Callable
 
 
 def _prepare_minilm_sst2(args):
   model, params, tokenizer = load_bert_classifier(num_labels=2, seed=args.seed)
   return (params, finetune_bert_sst2.load_train_batches(tokenizer, args),
-          finetune_bert_sst2.make_loss(model, None, packed=False))
+          finetune_bert_sst2.make_loss(model, packed=False))
 
 
 def _prepare_smollm2_wikitext(args):
   model, params, tokenizer = load_smollm2()
   return (params, finetune_llama.load_train_batches(tokenizer, args),
-          finetune_llama.make_loss(model, None, lm_head=False, packed=False))
+          finetune_llama.make_loss(model, lm_head=False, packed=False))
 
 
 SETUPS = {
@@ -145,9 +146,9 @@ def profiled_loss(dense_loss, row_log: RowLog, lm_head: bool, forward_order: lis
   SEBP backward, each selecting its rows from its own dY and reporting them to ``row_log``.
   Tracing it fills ``forward_order`` with the swapped layers in the order the forward runs
   them."""
-  def loss_fn(params, batch):
+  def loss_fn(params, batch, capacity):
     with use_sebp(threshold=0.0, row_log=row_log, lm_head=lm_head, embeddings=False) as report:
-      loss = dense_loss(params, batch)
+      loss = dense_loss(params, batch, capacity)
     forward_order[:] = report.swapped
     return loss
   return loss_fn
@@ -169,8 +170,8 @@ def main(argv=None) -> dict:
   row_log = RowLog(row_values=True)
   forward_order: list[str] = []
   optimizer = optax.adamw(args.learning_rate, weight_decay=setup.weight_decay)
-  _, losses = fit(profiled_loss(dense_loss, row_log, setup.lm_head, forward_order), params,
-                  train_batches, optimizer, desc="profile")
+  _, losses, _ = fit(profiled_loss(dense_loss, row_log, setup.lm_head, forward_order), params,
+                     train_batches, optimizer, "profile", [None] * len(train_batches))
   position = {layer: i for i, layer in enumerate(forward_order)}
   records = sorted(row_log.records, key=lambda record: position[record["layer"]])
 

@@ -33,8 +33,9 @@ from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEA
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, module_path, resolve_top_n, sebp_dense_call,
                              sebp_embed_call)
 from sebp_jax.ops import validate_top_n
-from sebp_jax.packing import (PackedLayout, gather_tokens, pack_layout, packed_attention,
-                              scatter_tokens, token_capacity)
+from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pack_layout,
+                              packed_attention, remember_packed, scatter_tokens,
+                              token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask
 
@@ -116,18 +117,24 @@ class use_sebp(SEBPContext):
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
       (BERT, RoBERTa) or decoder stack (Llama, Mistral, embeddings and final norm included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
-      for decoders, each token at its own position; cuDNN flash attention on NVIDIA GPUs in
-      16-bit, XLA elsewhere) and scatters its outputs back, so they keep their shapes, with
-      zeros at padding. Language-model heads (:data:`LM_HEAD`) run on those tokens too.
-      Layers outside (BERT's embeddings, poolers, heads) keep what the other options say.
-      Exact under the conditions of the shared index: the outputs are read at real tokens
-      only. Any mask layout works (left padding, holes). A batch with more real tokens than
-      ``top_n`` is never cut: a concrete mask raises at once, and under ``jit`` the packed
-      outputs are NaN. Pick ``top_n`` on the host with :func:`sebp_jax.token_capacity` and
-      pass it to the jitted step as a static argument. Dropout draws its random
-      masks on the packed rows, so they fall elsewhere than in the padded batch; the
-      attention probabilities are then materialised (no fused kernel has dropout).
-      ``output_attentions``, decoding caches and cross-attention are refused.
+      for decoders, each token at its own position; see ``attention``) and scatters its
+      outputs back, so they keep their shapes, with zeros at padding. Language-model heads
+      (:data:`LM_HEAD`) run on those tokens too. Layers outside (BERT's embeddings, poolers,
+      heads) keep what the other options say. Exact under the conditions of the shared
+      index: the outputs are read at real tokens only. Any mask layout works (left padding,
+      holes). A batch with more real tokens than ``top_n`` is never cut: a concrete mask
+      raises at once, and under ``jit`` the packed outputs are NaN. Pick ``top_n`` on the
+      host with :func:`sebp_jax.token_capacity` and pass it to the jitted step as a static
+      argument. Dropout draws its random masks on the packed rows, so they fall elsewhere
+      than in the padded batch; the attention probabilities are then materialised (no fused
+      kernel has dropout). ``output_attentions``, decoding caches and cross-attention are
+      refused.
+    attention: how packed attention runs (:data:`sebp_jax.packing.ATTENTION_METHODS`):
+      ``"rows"``, each sequence in a row of its own with cuDNN given the lengths, its cost
+      the sum of the squared lengths (:func:`sebp_jax.packing.row_attention`); ``"mask"``,
+      over the packed sequence with one ``[C, C]`` mask, its cost ``C²``; ``"auto"``
+      (default): ``"rows"`` where cuDNN runs it (NVIDIA GPUs, 16-bit), else ``"mask"``,
+      XLA's exact path on CPUs.
     batch_axes: the mesh axes that split the batch (the first dimension of ``active_mask``
       and of the layers' inputs) when the step is sharded over several devices on a mesh of
       ``Auto`` axes; under ``Explicit`` axes the arrays' types say it, and this may be left
@@ -149,7 +156,7 @@ class use_sebp(SEBPContext):
                overflow: str = "exact", include: str = DEFAULT_INCLUDE,
                exclude: str | None = DEFAULT_EXCLUDE, active_mask: jax.Array | None = None,
                backend: str = "auto", embeddings: bool = True, lm_head: bool = False,
-               packed: bool = False, row_log: RowLog | None = None,
+               packed: bool = False, attention: str = "auto", row_log: RowLog | None = None,
                require_swaps: bool = True, batch_axes: Any = None, mesh: Any = None):
     super().__init__(top_n, threshold, overflow=overflow, include=include, exclude=exclude,
                      active_mask=active_mask, backend=backend, embeddings=embeddings,
@@ -161,7 +168,10 @@ class use_sebp(SEBPContext):
     if packed and overflow == "drop":
       raise ValueError("use_sebp(packed=True) cannot drop tokens: overflow must be 'exact' or "
                        "'nan'")
+    if attention not in ATTENTION_METHODS:
+      raise ValueError(f"attention must be one of {ATTENTION_METHODS}, got {attention!r}")
     self.packed = packed
+    self.attention = attention
 
   def reset(self) -> None:
     super().reset()
@@ -172,7 +182,7 @@ class use_sebp(SEBPContext):
     self._packed_a_region = False
 
   def jit_key(self) -> tuple:
-    return (*super().jit_key(), self.packed)
+    return (*super().jit_key(), self.packed, self.attention)
 
   def _fresh_copy(self) -> "use_sebp":
     # Each call of a decorated function gets its own context and report.
@@ -270,7 +280,7 @@ class use_sebp(SEBPContext):
       if model_families.attention_family(module) is self._region_family:
         return model_families.run_attention(
             self._region_family, module, args, kwargs,
-            functools.partial(packed_attention, layout=self._layout))
+            functools.partial(packed_attention, layout=self._layout, method=self.attention))
       return next_fun(*args, **kwargs)
     family = model_families.region_family(module)
     if family is not None:
@@ -289,7 +299,10 @@ class use_sebp(SEBPContext):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
         record(self.report.packed, path)
-        return scatter_tokens(next_fun(gather_tokens(inputs, self._layout)), self._layout)
+        packed = next_fun(gather_tokens(inputs, self._layout))
+        # A loss may read the packed rows (masked_causal_lm_loss does): the [B, L, V]
+        # logits are then never made.
+        return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout)
     return _NOT_PACKED
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from sebp_jax.ops import validate_top_n
+from sebp_jax.packing import packed_rows_of
 
 
 def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, *,
@@ -14,7 +17,10 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   """Mean next-token cross-entropy over real tokens only.
 
   Args:
-    logits: ``[B, L, V]`` predictions for each position.
+    logits: ``[B, L, V]`` predictions for each position. Where they are the output of an LM
+      head that ``use_sebp(packed=True)`` ran on the real tokens, the loss reads that head's
+      ``[C, V]`` packed rows instead: the ``[B, L, V]`` logits are then never made (unless
+      something else reads them), and the value is the same.
     input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes). Padding may hold any
       id (0, -100, the vocabulary size); a real token's id out of ``[0, V)`` makes the loss
       NaN.
@@ -43,15 +49,27 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).reshape(-1)
   weights = weights.astype(jnp.float32)
   num_targets = jnp.sum(weights)
-  rows = logits.reshape(batch * length, vocab)
+  poison = jnp.float32(0)
   if capacity is not None:
     capacity = validate_top_n(capacity, "capacity")
+    poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
+  packed = packed_rows_of(logits)
+  if packed is not None:
+    rows, layout = packed[0][0], packed[1]
+    positions = layout.token_rows  # filler out of range: label 0, weight 0
+    # The batch overflowed the packing capacity: the scattered logits would be NaN.
+    poison = poison + jnp.where(layout.invalid, jnp.nan, 0.0)
+  elif capacity is not None:
     # Unused slots read row R (out of range): zero logits, label 0, weight 0.
-    (kept,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
-    take = lambda a: jnp.take(a, kept, axis=0, mode="fill", fill_value=0,
-                              indices_are_sorted=True)
-    rows, labels = take(rows), take(labels)
-    weights = jnp.where(num_targets > capacity, jnp.nan, take(weights))
+    (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
+    rows = jnp.take(logits.reshape(batch * length, vocab), positions, axis=0, mode="fill",
+                    fill_value=0, indices_are_sorted=True)
+  else:
+    positions, rows = None, logits.reshape(batch * length, vocab)
+  if positions is not None:
+    take = lambda a: jnp.take(a, positions, mode="fill", fill_value=0, indices_are_sorted=True)
+    labels, weights = take(labels), take(weights)
+  weights = weights + poison  # NaN: the loss and every gradient behind it
   # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
   # class 0, so that its loss is finite and a zero weight cancels it (NaN x 0 would be NaN);
   # at a real target it makes the loss NaN.
@@ -59,6 +77,9 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
                                                                jnp.where(in_vocab, labels, 0))
   token_loss = jnp.where(in_vocab, token_loss, jnp.nan)
-  # Where the weight is 0 nothing counts; a NaN weight (an overflowed capacity) does.
-  weighted = jnp.where(weights == 0, 0.0, token_loss * weights)
-  return jnp.sum(weighted) / jnp.maximum(num_targets, 1.0)
+  total = jnp.sum(jnp.where(weights == 0, 0.0, token_loss * weights))
+  if packed is not None:
+    # Targets of positions the packing left out (not in its mask): their logits are zeros
+    # in the scattered output, log V each.
+    total += (num_targets - jnp.sum(weights)) * math.log(vocab)
+  return total / jnp.maximum(num_targets, 1.0)

@@ -24,6 +24,8 @@ on the padded batch beyond that.
 
 from __future__ import annotations
 
+import threading
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -50,6 +52,13 @@ class PackedLayout:
     mask: ``bool[B, L]``, the real tokens.
     invalid: ``bool[]``, the packed outputs must not be used: the batch overflowed ``C``, or
       the model was given another attention mask (:func:`checked_against`).
+    ranks: ``int32[C]``, each token's place among its row's real tokens (filler: its slot).
+    row_lengths: ``int32[B]``, the real tokens of each row.
+    row_width: the columns of the batch of rows that :func:`row_attention` attends in: at
+      least the longest row (static; ``min(L, C)``, or the longest row of a concrete mask).
+    contiguous: whether each row's real tokens are known to sit side by side (no holes:
+      right or left padding), so that a distance in ranks is one in columns; False where
+      the mask is traced or has holes.
   """
   batch_shape: tuple[int, int] = flax.struct.field(pytree_node=False)
   token_rows: Array
@@ -58,6 +67,10 @@ class PackedLayout:
   num_tokens: Array
   mask: Array
   invalid: Array
+  ranks: Array
+  row_lengths: Array
+  row_width: int = flax.struct.field(pytree_node=False)
+  contiguous: bool = flax.struct.field(pytree_node=False)
 
   @property
   def capacity(self) -> int:
@@ -69,15 +82,35 @@ class PackedLayout:
     return self.num_tokens > self.capacity
 
 
-def token_capacity(mask, multiple: int = 128, num_shards: int = 1) -> int:
+def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
+                   buckets: tuple[int, ...] | None = None) -> int:
   """A capacity for a host-side ``mask``: its real tokens rounded up to ``multiple`` (at most
-  ``mask.size``). Bucketing bounds the number of compiled shapes: pass it as a static
-  argument of the jitted step. With the batch split into ``num_shards`` shards along its
-  first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per shard): the
-  fullest shard's real tokens, rounded up, at most a shard's rows."""
+  ``mask.size``), or with ``buckets`` (:func:`capacity_buckets`) the smallest bucket that holds
+  them (ValueError where none does). Bucketing bounds the number of compiled shapes: pass it
+  as a static argument of the jitted step. With the batch split into ``num_shards`` shards
+  along its first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per
+  shard): the fullest shard's real tokens, rounded up, at most a shard's rows."""
   mask = np.asarray(mask)
   num_tokens = max(1, int(shard_row_counts(mask, num_shards).max()))
+  if buckets is not None:
+    fitting = [bucket for bucket in buckets if bucket >= num_tokens]
+    if not fitting:
+      raise ValueError(f"buckets {tuple(buckets)} hold at most {max(buckets)} tokens, and the "
+                       f"mask has {num_tokens}{' in a shard' if num_shards > 1 else ''}")
+    return min(fitting)
   return min(mask.size // num_shards, -(-num_tokens // multiple) * multiple)
+
+
+def capacity_buckets(largest: int, count: int = 4, multiple: int = 128) -> tuple[int, ...]:
+  """A short geometric ladder of capacities for a run whose fullest batch has ``largest`` real
+  tokens: ``largest``, its half, quarter, ... (``count`` of them), each rounded up to
+  ``multiple`` (distinct, ascending). With :func:`token_capacity`'s ``buckets`` every batch
+  of the run packs into one of them: at most ``count`` compiles, no batch padded to more than
+  twice its real tokens (but the smallest bucket's)."""
+  if count < 1 or largest < 1 or multiple < 1:
+    raise ValueError(f"capacity_buckets needs positive largest, count and multiple, got "
+                     f"{largest}, {count}, {multiple}")
+  return tuple(sorted({-(-max(1, largest >> k) // multiple) * multiple for k in range(count)}))
 
 
 def pack_layout(mask: Array, capacity: int) -> PackedLayout:
@@ -90,12 +123,23 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
     raise ValueError(f"active_mask for packing must be [batch, length], got shape "
                      f"{jnp.shape(mask)}")
   batch, length = jnp.shape(mask)
+  # Rows of row_attention: as long as a row can be (no longer than the capacity), even for
+  # cuDNN's backward.
+  row_width, contiguous = min(length, capacity), False
   if not isinstance(mask, jax.core.Tracer):
-    num_tokens = int(np.count_nonzero(np.asarray(mask)))
+    host = np.asarray(mask) != 0
+    num_tokens = int(np.count_nonzero(host))
     if num_tokens > capacity:
       raise ValueError(
           f"packing capacity {capacity} (from top_n) is smaller than the {num_tokens} real "
           f"tokens of active_mask [{batch}, {length}]: give a top_n of at least {num_tokens}.")
+    lengths = host.sum(axis=1)
+    row_width = int(max(lengths.max(initial=0), 1))
+    # No holes: the real tokens of each row span as many columns as they are.
+    spans = np.where(host.any(axis=1), length - host[:, ::-1].argmax(axis=1)
+                     - host.argmax(axis=1), 0)
+    contiguous = bool(np.all(spans == lengths))
+  row_width += row_width % 2
   flat = jnp.reshape(mask, (-1,)) != 0
   num_rows = flat.shape[0]
   slots = jnp.arange(capacity, dtype=jnp.int32)
@@ -103,14 +147,43 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
   real = slots < num_tokens
   # The shared SEBP index of the mask, its one sentinel made distinct per slot.
   rows = jnp.where(real, active_rows_from_mask(flat, capacity), num_rows + slots)
+  grid = jnp.reshape(flat, (batch, length))
+  ranks = jnp.reshape(jnp.cumsum(grid, axis=1, dtype=jnp.int32) - 1, (-1,))
   return PackedLayout(
       batch_shape=(batch, length),
       token_rows=rows,
       segment_ids=jnp.where(real, rows // length, batch),
       columns=jnp.where(real, rows % length, slots),
       num_tokens=num_tokens,
-      mask=jnp.reshape(flat, (batch, length)),
-      invalid=num_tokens > capacity)
+      mask=grid,
+      invalid=num_tokens > capacity,
+      ranks=jnp.where(real, jnp.take(ranks, rows, mode="fill", fill_value=0), slots),
+      row_lengths=jnp.sum(grid, axis=1, dtype=jnp.int32),
+      row_width=row_width,
+      contiguous=contiguous)
+
+
+# Per thread, the last few outputs of packed modules scattered back to the batch's shape, each
+# with its packed rows: a loss that finds its input here reads the rows instead.
+_SCATTERED = threading.local()
+
+
+def remember_packed(scattered: Array, packed: Array, layout: PackedLayout) -> Array:
+  """``scattered`` (:func:`scatter_tokens` of ``packed``), remembered with its packed rows so
+  that :func:`packed_rows_of` finds them: a loss reading the rows leaves the scatter dead, and
+  XLA drops the ``[B, L, ...]`` buffer (an LM head's ``[B, L, vocabulary]`` logits)."""
+  entries = getattr(_SCATTERED, "entries", [])
+  _SCATTERED.entries = [*entries[-3:], (scattered, packed, layout)]
+  return scattered
+
+
+def packed_rows_of(scattered: Array) -> tuple[Array, PackedLayout] | None:
+  """``(packed [1, C, ...], layout)`` of an output remembered by :func:`remember_packed` (the
+  very array, in the trace that made it), else None."""
+  for known, packed, layout in getattr(_SCATTERED, "entries", []):
+    if known is scattered:
+      return packed, layout
+  return None
 
 
 def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
@@ -239,10 +312,82 @@ def fused_attention_implementation(query: Array) -> str:
   return "xla"
 
 
+#: How :func:`packed_attention` runs: ``"rows"`` (:func:`row_attention`, each sequence in a
+#: row of its own, attended with the row lengths: what cuDNN computes follows the squared
+#: lengths), ``"mask"`` (over the packed sequence, one ``[C, C]`` mask: ``C²``), or
+#: ``"auto"`` (:func:`attention_method`).
+ATTENTION_METHODS = ("auto", "rows", "mask")
+
+
+def _row_window(window: int | None, layout: PackedLayout) -> int | None:
+  """``window`` in ranks for :func:`row_attention`, None where it covers every row; a
+  ValueError where holes could make a distance in ranks differ from one in columns."""
+  if window is None or window >= layout.row_width - 1:
+    return None
+  if not layout.contiguous:
+    raise ValueError(
+        f"row attention with a sliding window ({window}) needs rows without holes, known "
+        "from a concrete mask: with a traced mask, or holes, use the 'mask' attention")
+  return window
+
+
+def attention_method(query: Array, layout: PackedLayout, *, window: int | None,
+                     dropout: bool) -> str:
+  """``"rows"`` where cuDNN runs :func:`row_attention` (:func:`fused_attention_implementation`
+  of its rows) with no dropout and a window it can keep; ``"mask"`` elsewhere, the exact XLA
+  path of CPUs, where attention over the rows would cost their full padded squares."""
+  rows = jax.ShapeDtypeStruct((layout.batch_shape[0], layout.row_width, *query.shape[2:]),
+                              query.dtype)
+  if (dropout or fused_attention_implementation(rows) != "cudnn"
+      or (window is not None and window < layout.row_width - 1 and not layout.contiguous)):
+    return "mask"
+  return "rows"
+
+
+def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
+                  causal: bool, window: int | None = None,
+                  implementation: str | None = None) -> Array:
+  """Per-sequence attention of packed tokens, each sequence in a row of its own.
+
+  The packed q, k, v are scattered to ``[B, W, ...]`` (``W = layout.row_width``), each row's
+  real tokens first and in order, attended there with the row lengths
+  (``jax.nn.dot_product_attention``'s ``query_seq_lengths``; cuDNN skips what lies past
+  them, so its work follows the sum of the squared lengths), and gathered back: copies of
+  ``O(B·W·D)``. A token attends to the tokens of its own row, and with ``causal`` to those
+  before it: the keys the padding mask leaves it, whatever the padding (left, right,
+  holes). A ``window`` counts real tokens: rows without holes only (:func:`_row_window`).
+
+  Args and returns: as :func:`packed_attention`; filler slots come back zero.
+  """
+  batch = layout.batch_shape[0]
+  width, capacity = layout.row_width, layout.capacity
+  # Each token's slot in the rows; filler out of range (distinct), dropped and read as 0.
+  slots = jnp.where(layout.segment_ids < batch, layout.segment_ids * width + layout.ranks,
+                    batch * width + jnp.arange(capacity, dtype=jnp.int32))
+
+  def to_rows(packed):
+    rows = jnp.zeros((batch * width, *packed.shape[2:]), packed.dtype)
+    rows = rows.at[slots].set(packed[0], mode="drop", indices_are_sorted=True,
+                              unique_indices=True)
+    return rows.reshape(batch, width, *packed.shape[2:])
+
+  query_rows = to_rows(query)
+  window = _row_window(window, layout)
+  # A row without tokens attends to one zero slot: finite, and never read.
+  lengths = jnp.maximum(layout.row_lengths, 1)
+  out = jax.nn.dot_product_attention(
+      query_rows, to_rows(key), to_rows(value), is_causal=causal, query_seq_lengths=lengths,
+      key_value_seq_lengths=lengths, local_window_size=None if window is None else (window, 0),
+      implementation=implementation or fused_attention_implementation(query_rows))
+  out = jnp.take(out.reshape(batch * width, *out.shape[2:]), slots, axis=0, mode="fill",
+                 fill_value=0, indices_are_sorted=True, unique_indices=True)
+  return out[None]
+
+
 def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
                      causal: bool, window: int | None = None,
                      dropout_rng: Array | None = None, dropout_rate: float = 0.0,
-                     implementation: str | None = None) -> Array:
+                     implementation: str | None = None, method: str = "auto") -> Array:
   """Per-sequence attention of packed tokens.
 
   Args:
@@ -256,12 +401,24 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
       mask falls on other positions than in the padded batch.
     implementation: ``"xla"``, ``"cudnn"``, or None for
       :func:`fused_attention_implementation`.
+    method: one of :data:`ATTENTION_METHODS`: :func:`row_attention` (``"rows"``), or over the
+      packed sequence with a ``[C, C]`` mask (``"mask"``).
 
   Returns:
     ``[1, C, H, d]``, softmax(q k^T / sqrt(d)) v over the allowed keys, in float32 logits.
   """
+  if method not in ATTENTION_METHODS:
+    raise ValueError(f"method must be one of {ATTENTION_METHODS}, got {method!r}")
+  dropout = dropout_rng is not None and dropout_rate > 0.0
+  if method == "auto":
+    method = attention_method(query, layout, window=window, dropout=dropout)
+  if method == "rows":
+    if dropout:
+      raise ValueError("row attention has no dropout: use the 'mask' attention")
+    return row_attention(query, key, value, layout, causal=causal, window=window,
+                         implementation=implementation)
   mask = attention_mask(layout, causal=causal, window=window)
-  if dropout_rng is not None and dropout_rate > 0.0:
+  if dropout:
     # The fused kernels have no dropout: the probabilities are materialised.
     groups = query.shape[2] // key.shape[2]
     key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))

@@ -14,7 +14,7 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import harness, layer, model, profile_model, selection, tune_blocks
+from benchmarks import attention, harness, layer, model, profile_model, selection, tune_blocks
 from sebp_jax.packing import token_capacity
 from sebp_jax.sharding import shard_row_counts
 
@@ -133,6 +133,8 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
     assert math.isfinite(row["backward_speedup_vs_dense"])
     assert math.isfinite(row["grad_speedup_vs_dense"])
     assert 0 < row["real_tokens"] < row["rows"]
+    assert row["real_tokens_per_s"] == pytest.approx(row["real_tokens"] / row["step_ms"] * 1e3)
+    assert row["num_params"] > 0 and row["real_token_mfu"] is None  # no peak known for CPUs
   one, two = rows[:len(modes)], rows[len(modes):]
   assert all("scaling_efficiency" not in r for r in one)
   assert all(r["scaling_efficiency"] > 0 and r["batch_size"] == 4 for r in two)
@@ -155,6 +157,20 @@ def test_nnx_rows_beside_the_linen_ones():
       ("llama", "dense"), ("llama", "sebp_lm_head"), ("llama", "sebp_packed"),
       ("llama_nnx", "dense"), ("llama_nnx", "sebp_packed")]
   assert {r["param_dtype"] for r in rows} == {"float32"}
+
+
+def test_attention_benchmark_records_the_three_ways(tmp_path, capsys):
+  """Packed attention over a mask and in rows, and the padded batch with lengths: a record per
+  batch with each way's rounds, medians and ratios to the padded batch."""
+  out = tmp_path / "attention.jsonl"
+  (row,) = attention.main(["--tiny", "--batches", "3x96", "--rounds", "2", "--out", str(out)])
+  assert json.loads(out.read_text()) == row
+  for way in ("mask", "rows", "padded"):
+    assert len(row[f"{way}_rounds_ms"]) == 2 and row[f"{way}_ms"] > 0
+  low, high = row["rows_vs_padded_range"]
+  assert low <= row["rows_vs_padded"] <= high
+  assert row["real_tokens"] <= row["capacity"] and row["longest"] % 64 == 0
+  assert "rows/padded" in capsys.readouterr().out
 
 
 def test_layer_benchmark_records(tmp_path, capsys):
@@ -286,3 +302,15 @@ ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
                    "custom-call.1": "jit(f)/q_proj/dot_general"}
   assert profile_model.op_row(names["fusion.4"]) == "transpose(jvp(M))/layers/*/mlp/dot_general"
   assert profile_model.op_row("jit(f)/a/layers_12/0/1/b/dot") == "a/layers_*/*/*/b/dot"
+
+
+def test_the_carried_section_lengths_are_those_of_the_data(tmp_path, monkeypatch):
+  """benchmarks/lengths/ holds what token_lengths writes from data/: WikiText-2 sections."""
+  from benchmarks import token_lengths
+  carried = (token_lengths.LENGTHS_DIR / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
+  monkeypatch.setattr(token_lengths, "LENGTHS_DIR", tmp_path)
+  token_lengths.main()
+  written = (tmp_path / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
+  assert json.loads(written) == json.loads(carried)
+  lengths = np.asarray(json.loads(written)["lengths"])
+  assert 400 < lengths.mean() < 600 and lengths.max() > 2000

@@ -30,9 +30,9 @@ def _encoder_config(cls, layers=2, **overrides):
 
 
 def _decoder_config(cls, layers=2, **overrides):
-  return cls(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64,
-             **overrides)
+  return cls(**{**dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=32,
+                       max_position_embeddings=64), **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -93,28 +93,29 @@ def _positions(mask):
   return np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int32)
 
 
-def _packing(capacity, mask, reports):
+def _packing(capacity, mask, reports, attention="auto"):
   if capacity is None:
     return nullcontext()
-  context = use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla")
+  context = use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla",
+                     attention=attention)
   reports.append(context.report)
   return context
 
 
-def classifier_loss(model, capacity=None, reports=None, **call_kwargs):
+def classifier_loss(model, capacity=None, reports=None, attention="auto", **call_kwargs):
   """``(params, ids, mask, labels, head_mask) -> loss``, packed in ``capacity`` slots."""
   def loss(params, ids, mask, labels, head_mask):
-    with _packing(capacity, mask, reports):
+    with _packing(capacity, mask, reports, attention):
       logits = model(ids, attention_mask=mask, head_mask=head_mask, params=params,
                      **call_kwargs).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
   return loss
 
 
-def lm_loss(model, capacity=None, reports=None, loss_capacity=None):
+def lm_loss(model, capacity=None, reports=None, loss_capacity=None, attention="auto"):
   """``(params, ids, mask, positions) -> masked_causal_lm_loss``."""
   def loss(params, ids, mask, positions):
-    with _packing(capacity, mask, reports):
+    with _packing(capacity, mask, reports, attention):
       logits = model(ids, attention_mask=mask, position_ids=positions, params=params).logits
     return masked_causal_lm_loss(logits, ids, mask, capacity=loss_capacity)
   return loss
@@ -165,10 +166,15 @@ def packed_bert(tiny_bert):
           packed_grad(classifier_loss, tiny_bert, capacity, reports))
 
 
-def test_bert_packed_gradients_equal_dense(tiny_bert, packed_bert):
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+def test_bert_packed_gradients_equal_dense(tiny_bert, packed_bert, attention):
   """Right padding in exactly full slots; holes with a random head mask in the same compiled
-  function, with spare slots. The traced mask packs under jit."""
+  function, with spare slots. The traced mask packs under jit; attention over the packed
+  sequence or in rows of their own."""
   right, capacity, reports, packed = packed_bert
+  if attention == "rows":
+    reports = []
+    packed = packed_grad(classifier_loss, tiny_bert, capacity, reports, attention="rows")
   dense = dense_grad(classifier_loss, tiny_bert)
   rng = np.random.default_rng(11)
   holes = _mask(rng, "holes", min_length=1, max_tokens=capacity - 2)
@@ -353,14 +359,15 @@ def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
   return _ids(rng, mask), mask, positions
 
 
-def test_llama_packed_gradients_equal_dense(tiny_llama):
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+def test_llama_packed_gradients_equal_dense(tiny_llama, attention):
   """Grouped-query Llama: right padding in exactly full slots, left padding and holes with
   spare ones, in one compiled function."""
   rng = np.random.default_rng(15)
   mask = _mask(rng, "right", min_length=4, max_tokens=BATCH * LENGTH - 4)
   capacity = int(mask.sum())
   reports = []
-  packed = packed_grad(lm_loss, tiny_llama, capacity, reports)
+  packed = packed_grad(lm_loss, tiny_llama, capacity, reports, attention=attention)
   dense = dense_grad(lm_loss, tiny_llama)
   batches = [_decoder_batch(rng, "right", mask=mask), _decoder_batch(rng, "left", capacity),
              _decoder_batch(rng, "holes", capacity)]
@@ -381,6 +388,75 @@ def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
     batch = _decoder_batch(rng, layout, capacity)
     assert_matches_dense(packed(tiny_mistral.params, *batch), dense(tiny_mistral.params, *batch))
   assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
+
+
+def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
+  """masked_causal_lm_loss on a packed LM head's logits reads its [C, V] rows: the compiled
+  step holds no [B, L, V] logits, and the value and gradient are those of the scattered
+  logits, for a loss mask that is the model's, a part of it, or more."""
+  rng = np.random.default_rng(24)
+  ids, mask, positions = _decoder_batch(rng, "holes")
+  capacity = int(mask.sum()) + 2
+
+  def loss(params, loss_mask, scattered):
+    with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla"):
+      logits = tiny_llama(ids, attention_mask=mask, position_ids=positions,
+                          params=params).logits
+    # A copy is not the head's output: the loss reads it whole, as before packing.
+    logits = logits + 0 if scattered else logits
+    return masked_causal_lm_loss(logits, ids, loss_mask)
+
+  packed_rows, scattered = (jax.jit(jax.value_and_grad(functools.partial(loss, scattered=s)))
+                            .lower(tiny_llama.params, mask).compile() for s in (False, True))
+
+  def holds_full_logits(compiled):
+    hlo = compiled.as_text()
+    return f"[{BATCH},{LENGTH},{VOCAB}]" in hlo or f"[{BATCH * LENGTH},{VOCAB}]" in hlo
+
+  assert not holds_full_logits(packed_rows) and holds_full_logits(scattered)
+  part = mask.copy()
+  part[:, :3] = 0  # a prompt the loss leaves out
+  more = np.ones_like(mask)  # padding counted too: zero logits there, log V each
+  for loss_mask in (mask, part, more):
+    assert_matches_dense(packed_rows(tiny_llama.params, loss_mask),
+                         scattered(tiny_llama.params, loss_mask))
+
+
+def test_mistral_sliding_window_in_rows_from_a_host_mask(tiny_mistral):
+  """Row attention keeps a window of columns where the host mask shows rows without holes;
+  with holes it refuses, and "auto" runs the mask there."""
+  rng = np.random.default_rng(17)
+  capacity = BATCH * LENGTH - 6
+  dense = dense_grad(lm_loss, tiny_mistral)
+  for layout in ("right", "left"):
+    ids, mask, positions = _decoder_batch(rng, layout, capacity)
+    host = functools.partial(lm_loss(tiny_mistral, capacity, [], capacity, "rows"), mask=mask)
+    got = jax.jit(jax.value_and_grad(lambda p: host(p, ids, positions=positions)))(
+        tiny_mistral.params)
+    assert_matches_dense(got, dense(tiny_mistral.params, ids, mask, positions))
+  ids, mask, positions = _decoder_batch(rng, "holes", capacity)
+  with pytest.raises(ValueError, match="sliding window .* needs rows without holes"):
+    jax.grad(lm_loss(tiny_mistral, capacity, [], capacity, "rows"))(tiny_mistral.params, ids,
+                                                                   mask, positions)
+
+
+def test_long_packed_sequences_of_many_rows_are_exact():
+  """Llama, 24 sequences of up to 200 tokens (about 2,400 real tokens in one packed
+  sequence), attention over the packed sequence and in rows, against dense jax.grad."""
+  rng = np.random.default_rng(19)
+  model = FlaxLlamaForCausalLM(_decoder_config(LlamaConfig, layers=1,
+                                               max_position_embeddings=256), seed=4)
+  lengths = rng.integers(1, 201, size=(24, 1))
+  mask = (np.arange(200)[None] < lengths).astype(np.int32)
+  ids = _ids(rng, mask)
+  positions = np.broadcast_to(np.arange(200, dtype=np.int32), mask.shape)
+  capacity = token_capacity(mask)
+  assert capacity > 2000
+  want = dense_grad(lm_loss, model)(model.params, ids, mask, positions)
+  for attention in ("mask", "rows"):
+    got = packed_grad(lm_loss, model, capacity, [], loss_capacity=capacity,
+                      attention=attention)(model.params, ids, mask, positions)
+    assert_matches_dense(got, want)
 
 
 def test_bfloat16_error_no_larger_than_dense_bfloat16(tiny_mistral):

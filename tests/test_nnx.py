@@ -435,8 +435,11 @@ def test_other_threads_run_the_model_dense_while_one_is_in_a_context():
   entered, other_done = threading.Event(), threading.Event()
   results = {}
 
+  # jax's config contexts are per thread: each thread asks for float32 dots itself (a GPU's
+  # default is TF32).
   def sebp_thread():
-    with sebp_nnx.use_sebp(model, active_mask=mask, backend="xla") as report:
+    with (jax.default_matmul_precision("highest"),
+          sebp_nnx.use_sebp(model, active_mask=mask, backend="xla") as report):
       entered.set()
       other_done.wait(timeout=120)
       results["sebp"] = _grads(model, _masked_loss, ids, mask)
@@ -445,7 +448,8 @@ def test_other_threads_run_the_model_dense_while_one_is_in_a_context():
   def dense_thread():
     entered.wait(timeout=120)
     try:
-      results["dense"] = _grads(model, _masked_loss, ids, mask)
+      with jax.default_matmul_precision("highest"):
+        results["dense"] = _grads(model, _masked_loss, ids, mask)
     finally:
       other_done.set()
 

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sebp_jax.packing import (attention_mask, fused_attention_implementation, gather_tokens,
-                              pack_layout, packed_attention, scatter_tokens, token_capacity)
+from sebp_jax.packing import (attention_mask, attention_method, capacity_buckets,
+                              fused_attention_implementation, gather_tokens, pack_layout,
+                              packed_attention, scatter_tokens, token_capacity)
 
 
 def _random_mask(rng, batch, length, kind):
@@ -226,13 +227,16 @@ def _packed_qkv(rng, mask, capacity, heads=4, kv_heads=2, dim=8):
   return (q, k, v), tuple(pack(a) for a in (q, k, v)), real
 
 
+@pytest.mark.parametrize("method", ["mask", "rows"])
 @pytest.mark.parametrize("seed,kind,causal,window", [
     (0, "right", False, None), (1, "left", True, None), (2, "holes", True, 2),
-    (3, "right", True, 2), (4, "holes", False, None)])
-def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, window):
+    (3, "right", True, 2), (4, "holes", False, None), (5, "left", True, 3),
+    (6, "holes", True, None)])
+def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, window, method):
   """Grouped-query attention (4 query heads, 2 kv heads) of the packed tokens equals a float64
-  per-sequence attention of the padded batch at every real token; filler stays finite and
-  does not leak into real tokens."""
+  per-sequence attention of the padded batch at every real token, over the packed sequence
+  and in rows; filler stays finite and does not leak into real tokens. A window in rows
+  needs rows without holes."""
   rng = np.random.default_rng(400 + seed)
   mask = _random_mask(rng, 3, 7, kind)
   n = int(mask.sum())
@@ -240,12 +244,67 @@ def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, win
   layout = pack_layout(mask, capacity)
   (q, k, v), packed, real = _packed_qkv(rng, mask, capacity)
   attend = jax.jit(lambda *qkv: packed_attention(*qkv, layout, causal=causal, window=window,
-                                                 implementation="xla"))
+                                                 implementation="xla", method=method))
+  if method == "rows" and kind == "holes" and window is not None:
+    with pytest.raises(ValueError, match="needs rows without holes"):
+      attend(*packed)
+    return
   got = attend(*packed)
   assert got.shape == (1, capacity, 4, 8)
   want = _reference_attention(q, k, v, mask, causal, window).reshape(-1, 4, 8)[real]
   np.testing.assert_allclose(got[0, :n], want, rtol=1e-5, atol=1e-5)
   assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_row_attention_gradients_equal_the_masks(kind):
+  """The gradients of q, k and v at real tokens, in rows and over the packed sequence, traced
+  mask; filler gets none in rows."""
+  rng = np.random.default_rng(450)
+  mask = _random_mask(rng, 4, 9, kind)
+  n = int(mask.sum())
+  capacity = n + 3
+  _, packed, _ = _packed_qkv(rng, mask, capacity)
+  cotangent = jnp.asarray(rng.standard_normal((1, capacity, 4, 8)), jnp.float32)
+
+  def grads(method):
+    def attend(mask, *qkv):
+      layout = pack_layout(mask, capacity)
+      return packed_attention(*qkv, layout, causal=True, implementation="xla", method=method)
+    out, vjp = jax.vjp(functools.partial(jax.jit(attend), jnp.asarray(mask)), *packed)
+    return out, vjp(cotangent.at[0, n:].set(0))
+
+  (rows_out, rows_grads), (mask_out, mask_grads) = grads("rows"), grads("mask")
+  np.testing.assert_allclose(rows_out[0, :n], mask_out[0, :n], rtol=1e-5, atol=1e-6)
+  assert not np.any(rows_out[0, n:])
+  for got, want in zip(rows_grads, mask_grads):
+    np.testing.assert_allclose(got[0, :n], want[0, :n], rtol=1e-5, atol=1e-6)
+    assert not np.any(got[0, n:])
+
+
+def test_the_layout_knows_each_rows_tokens():
+  mask = np.array([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 1]])
+  layout = pack_layout(mask, 9)
+  np.testing.assert_array_equal(layout.row_lengths, [2, 3, 0, 3])
+  np.testing.assert_array_equal(layout.ranks, [0, 1, 0, 1, 2, 0, 1, 2, 8])
+  assert layout.row_width == 4 and not layout.contiguous  # the longest row, made even
+  assert pack_layout(mask[:3], 9).contiguous
+  traced = jax.jit(lambda m: pack_layout(m, 9))(mask)
+  assert traced.row_width == 6 and not traced.contiguous  # min(L, C), made even
+  np.testing.assert_array_equal(traced.ranks, layout.ranks)
+
+
+def test_attention_method_auto():
+  """Rows where cuDNN runs them, else the mask (XLA's exact path on CPUs)."""
+  on_nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
+  layout = pack_layout(_random_mask(np.random.default_rng(460), 3, 8, "right"), 20)
+  bf16 = jnp.zeros((1, 20, 4, 64), jnp.bfloat16)
+  assert attention_method(bf16, layout, window=None, dropout=False) == (
+      "rows" if on_nvidia else "mask")
+  assert attention_method(bf16, layout, window=None, dropout=True) == "mask"
+  assert attention_method(bf16.astype(jnp.float32), layout, window=None, dropout=False) == "mask"
+  with pytest.raises(ValueError, match="method must be one of"):
+    packed_attention(bf16, bf16, bf16, layout, causal=True, method="flash")
 
 
 def test_packed_attention_dropout():
@@ -329,6 +388,25 @@ def test_token_capacity(multiple):
     assert token_capacity(mask, multiple) == want
     assert token_capacity(mask, multiple) >= mask.sum()
   assert token_capacity(np.zeros((2, 3)), 4) == 4
+
+
+def test_capacity_buckets_bound_the_compiles_and_the_padding():
+  """A geometric ladder: at most ``count`` capacities, each batch in the smallest that holds
+  it, at most twice its real tokens above the smallest bucket."""
+  buckets = capacity_buckets(1100, count=4)
+  assert buckets == (256, 384, 640, 1152)
+  rng = np.random.default_rng(850)
+  for _ in range(50):
+    mask = rng.random((8, 200)) < rng.uniform(0.01, 0.68)
+    capacity = token_capacity(mask, buckets=buckets)
+    n = int(mask.sum())
+    assert capacity in buckets and capacity >= n
+    assert capacity == buckets[0] or capacity <= 2 * n + 128
+  with pytest.raises(ValueError, match="hold at most 1152 tokens, and the mask has 1200"):
+    token_capacity(np.ones((6, 200)), buckets=buckets)
+  assert capacity_buckets(100, count=3, multiple=8) == (32, 56, 104)
+  with pytest.raises(ValueError, match="positive"):
+    capacity_buckets(0)
 
 
 def test_fused_attention_needs_an_even_length():

@@ -80,6 +80,23 @@ def test_time_forward_backward_reports_milliseconds_of_interleaved_rounds(capsys
   assert ("keeps 90% of the rows" in out) == (ratios["backward"] < 1)
 
 
+def test_the_whole_sst2_training_set_takes_at_most_four_capacities():
+  """Every batch of an epoch of SST-2's training sentences (32 a batch, padded to 128) in one of
+  four capacities, each holding its real tokens: the example's step compiles at most four
+  times."""
+  from examples.datasets import batches, encode_fixed_length, load_sst2
+  from examples.pretrained import load_minilm_tokenizer
+  from examples.common import run_capacities
+  sentences = [sentence for sentence, _ in load_sst2("train")]
+  arrays = encode_fixed_length(load_minilm_tokenizer(), sentences, 128)
+  train_batches = list(batches(arrays, 32))
+  assert len(sentences) > 60000 and len(train_batches) == len(sentences) // 32
+  capacities = run_capacities(train_batches)
+  assert len(set(capacities)) <= 4
+  for batch, capacity in zip(train_batches, capacities):
+    assert int(batch["attention_mask"].sum()) <= capacity
+
+
 @pytest.mark.slow
 def test_the_bert_example_shows_the_row_log(tmp_path, capsys):
   """A short unpacked run with ``--row-log``: every encoder layer reports, once per training
@@ -112,6 +129,8 @@ def test_the_nnx_example_trains_dense_and_sebp_alike(tmp_path, monkeypatch):
   assert summary["max_loss_difference"] < 1e-4 and not summary["packed"]
   assert len(summary["losses"]["sebp"]) == 2
   assert summary["losses"]["dense"][0] == pytest.approx(summary["losses"]["sebp"][0], rel=1e-5)
+  # One compile for each capacity the run's batches took, one for dense.
+  assert summary["sebp_compiles"] == len(summary["capacities"]) and summary["dense_compiles"] == 1
   layers = [line for line in summary["row_log"].splitlines() if line.startswith("layers/")]
   assert len(layers) == 2 * 7
   assert (tmp_path / "summary.json").is_file() and (tmp_path / "loss_curves.png").is_file()
