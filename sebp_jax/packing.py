@@ -25,6 +25,7 @@ on the padded batch beyond that.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import flax.linen as nn
 import flax.struct
@@ -163,8 +164,9 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
       contiguous=contiguous)
 
 
-# Per thread, the last few outputs of packed modules scattered back to the batch's shape, each
-# with its packed rows: a loss that finds its input here reads the rows instead.
+# Per thread, outputs of packed modules scattered back to the batch's shape (weakly: an
+# entry lives as long as its output), each with its packed rows: a loss that finds its input
+# here reads the rows instead.
 _SCATTERED = threading.local()
 
 
@@ -172,18 +174,22 @@ def remember_packed(scattered: Array, packed: Array, layout: PackedLayout) -> Ar
   """``scattered`` (:func:`scatter_tokens` of ``packed``), remembered with its packed rows so
   that :func:`packed_rows_of` finds them: a loss reading the rows leaves the scatter dead, and
   XLA drops the ``[B, L, ...]`` buffer (an LM head's ``[B, L, vocabulary]`` logits)."""
-  entries = getattr(_SCATTERED, "entries", [])
-  _SCATTERED.entries = [*entries[-3:], (scattered, packed, layout)]
+  if not hasattr(_SCATTERED, "entries"):
+    _SCATTERED.entries = {}
+  entries = _SCATTERED.entries
+  key = id(scattered)
+  entries[key] = (weakref.ref(scattered), packed, layout)
+  weakref.finalize(scattered, entries.pop, key, None)
   return scattered
 
 
 def packed_rows_of(scattered: Array) -> tuple[Array, PackedLayout] | None:
   """``(packed [1, C, ...], layout)`` of an output remembered by :func:`remember_packed` (the
   very array, in the trace that made it), else None."""
-  for known, packed, layout in getattr(_SCATTERED, "entries", []):
-    if known is scattered:
-      return packed, layout
-  return None
+  entry = getattr(_SCATTERED, "entries", {}).get(id(scattered))
+  if entry is None or entry[0]() is not scattered:
+    return None
+  return entry[1], entry[2]
 
 
 def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
@@ -331,15 +337,25 @@ def _row_window(window: int | None, layout: PackedLayout) -> int | None:
   return window
 
 
+#: :func:`attention_method` takes the rows where their ``B·W`` slots, times this, are fewer
+#: than the ``C²`` pairs of the mask: copying a slot in and out costs about as much as
+#: attending this many pairs.
+ROW_SLOT_COST = 64
+
+
 def attention_method(query: Array, layout: PackedLayout, *, window: int | None,
                      dropout: bool) -> str:
   """``"rows"`` where cuDNN runs :func:`row_attention` (:func:`fused_attention_implementation`
-  of its rows) with no dropout and a window it can keep; ``"mask"`` elsewhere, the exact XLA
-  path of CPUs, where attention over the rows would cost their full padded squares."""
-  rows = jax.ShapeDtypeStruct((layout.batch_shape[0], layout.row_width, *query.shape[2:]),
-                              query.dtype)
+  of its rows) with no dropout and a window it can keep, and where it costs less: its
+  ``B·W`` slots (each copied in and out) against the ``C²`` pairs of the mask
+  (:data:`ROW_SLOT_COST`), so many short sequences of a traced mask (``W = min(L, C)``) keep
+  the mask; ``"mask"`` elsewhere, the exact XLA path of CPUs, where attention over the rows
+  would cost their full padded squares."""
+  batch, width = layout.batch_shape[0], layout.row_width
+  rows = jax.ShapeDtypeStruct((batch, width, *query.shape[2:]), query.dtype)
   if (dropout or fused_attention_implementation(rows) != "cudnn"
-      or (window is not None and window < layout.row_width - 1 and not layout.contiguous)):
+      or (window is not None and window < width - 1 and not layout.contiguous)
+      or ROW_SLOT_COST * batch * width >= layout.capacity ** 2):
     return "mask"
   return "rows"
 

@@ -238,6 +238,7 @@ def test_bad_arguments():
     use_sebp(active_mask=np.array(["a", "b"]))
   with pytest.raises(ValueError, match="active_mask must be an array of token flags"):
     use_sebp(active_mask=[[1, 0], [1]])
+  assert isinstance(use_sebp(active_mask=[[1, 0], [1, 1]]).active_mask, np.ndarray)
   with pytest.raises(ValueError, match=r"at least 1-D.*\[\]"):
     use_sebp(active_mask=1)
   with pytest.raises(ValueError, match="kept fraction"):

@@ -295,12 +295,17 @@ def test_the_layout_knows_each_rows_tokens():
 
 
 def test_attention_method_auto():
-  """Rows where cuDNN runs them, else the mask (XLA's exact path on CPUs)."""
+  """Rows where cuDNN runs them and their slots cost less than the mask's pairs, else the
+  mask (XLA's exact path on CPUs)."""
   on_nvidia = jax.default_backend() == "gpu" and "NVIDIA" in jax.devices()[0].device_kind
-  layout = pack_layout(_random_mask(np.random.default_rng(460), 3, 8, "right"), 20)
-  bf16 = jnp.zeros((1, 20, 4, 64), jnp.bfloat16)
+  mask = np.zeros((3, 512), np.int32)
+  mask[:, :300] = 1
+  layout = pack_layout(mask, 1024)  # 3 rows of 300 (W = 300): 64 * 900 slots < 1024**2 pairs
+  bf16 = jnp.zeros((1, 1024, 4, 64), jnp.bfloat16)
   assert attention_method(bf16, layout, window=None, dropout=False) == (
       "rows" if on_nvidia else "mask")
+  many_short = jax.jit(lambda m: pack_layout(m, 384))(np.arange(512) < np.full((32, 1), 10))
+  assert attention_method(bf16[:, :384], many_short, window=None, dropout=False) == "mask"
   assert attention_method(bf16, layout, window=None, dropout=True) == "mask"
   assert attention_method(bf16.astype(jnp.float32), layout, window=None, dropout=False) == "mask"
   with pytest.raises(ValueError, match="method must be one of"):
