@@ -134,3 +134,18 @@ def batches(arrays: Mapping[str, np.ndarray],
   # The checks above run at call time; only the slicing is deferred to iteration.
   return ({name: array[start:start + batch_size] for name, array in arrays.items()}
           for start in range(0, stop, batch_size))
+
+
+def grouped_batches(arrays: Mapping[str, np.ndarray], groups: Sequence[Sequence[int]],
+                    batch_size: int) -> list[dict[str, np.ndarray]]:
+  """One mini-batch per group of example indices (:func:`sebp_jax.token_budget_batches`),
+  each padded to ``batch_size`` rows with empty ones (all zeros: no real token), so that every
+  batch has one shape."""
+  out = []
+  for group in groups:
+    if not 0 < len(group) <= batch_size:
+      raise ValueError(f"a group of {len(group)} examples does not fit {batch_size} rows")
+    out.append({name: np.concatenate([np.asarray(array)[list(group)], np.zeros(
+        (batch_size - len(group), *np.shape(array)[1:]), np.asarray(array).dtype)])
+        for name, array in arrays.items()})
+  return out

@@ -28,9 +28,9 @@ import optax
 
 from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
                              sebp_context)
-from examples.datasets import batches, encode_fixed_length, load_wikitext2
+from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
 from examples.pretrained import load_smollm2
-from sebp_jax import RowLog
+from sebp_jax import RowLog, token_budget_batches
 from sebp_jax.losses import masked_causal_lm_loss
 
 MODES = ("dense", "sebp")
@@ -46,6 +46,11 @@ def _add_lm_head_flag(parser):
   parser.add_argument("--lm-head", action=argparse.BooleanOptionalAction, default=True,
                       help="with --no-packed, run the LM head with the SEBP backward too "
                            "(use_sebp(lm_head=...)); packed, it runs on the real tokens anyway")
+  parser.add_argument("--token-budget", type=int, default=None,
+                      help="fill each batch with as many paragraphs (up to --batch-size) as "
+                           "fit this many tokens (sebp_jax.token_budget_batches): one "
+                           "capacity, one compile for the run; default: --batch-size "
+                           "paragraphs a batch, in one of four capacities")
 
 
 def make_loss(model, lm_head: bool, packed: bool, row_log: RowLog | None = None):
@@ -65,15 +70,21 @@ def make_loss(model, lm_head: bool, packed: bool, row_log: RowLog | None = None)
 
 def load_train_batches(tokenizer, args) -> list[dict[str, np.ndarray]]:
   """``args.steps`` batches of WikiText-2 paragraphs in a seeded random order, padded to
-  ``args.max_length``."""
+  ``args.max_length``: ``args.batch_size`` paragraphs each, or with ``args.token_budget`` as
+  many (at most ``args.batch_size``) as fit that many tokens, the rows left empty."""
   paragraphs = load_wikitext2(data_dir=args.data_dir)
   order = np.random.default_rng(args.seed).permutation(len(paragraphs))
-  chosen = [paragraphs[i] for i in order[:args.steps * args.batch_size]]
+  budget = getattr(args, "token_budget", None)
+  chosen = [paragraphs[i] for i in (order if budget else order[:args.steps * args.batch_size])]
   arrays = encode_fixed_length(tokenizer, chosen, args.max_length)
-  train_batches = list(batches(arrays, args.batch_size))
+  if budget:
+    groups = token_budget_batches(arrays["attention_mask"].sum(axis=1), budget, args.batch_size)
+    train_batches = grouped_batches(arrays, groups[:args.steps], args.batch_size)
+  else:
+    train_batches = list(batches(arrays, args.batch_size))
   if len(train_batches) < args.steps:
     raise SystemExit(f"WikiText-2 has only {len(train_batches)} batches of {args.batch_size}")
-  return train_batches
+  return train_batches[:args.steps]
 
 
 def main(argv=None) -> dict:
@@ -83,9 +94,11 @@ def main(argv=None) -> dict:
   model, initial_params, tokenizer = load_smollm2()
   train_batches = load_train_batches(tokenizer, args)
 
-  # Each batch in the smallest of four capacities that holds it, picked on the host: static,
-  # so exact, and at most four compiles of the step.
-  capacities = run_capacities(train_batches)
+  # Each batch in the smallest of four capacities that holds it, or in the token budget that
+  # filled it, picked on the host: static, so exact, and at most four compiles of the step
+  # (one with a budget).
+  capacities = ([args.token_budget] * len(train_batches) if args.token_budget
+                else run_capacities(train_batches))
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "

@@ -17,7 +17,8 @@ from sebp_jax.implementations import register_implementation
 from sebp_jax.intercept import SEBPReport, use_sebp
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n
 from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_embed_lookup, sebp_linear
-from sebp_jax.packing import capacity_buckets, pack_decoder_inputs, token_capacity
+from sebp_jax.packing import (capacity_buckets, pack_decoder_inputs, token_budget_batches,
+                              token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import (active_rows_from_mask, capacity_ladder, row_scores,
                                 select_active_rows)
@@ -38,6 +39,7 @@ __all__ = [
     "select_active_rows",
     "sebp_embed_lookup",
     "sebp_linear",
+    "token_budget_batches",
     "token_capacity",
     "use_sebp",
 ]

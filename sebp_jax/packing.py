@@ -114,6 +114,35 @@ def capacity_buckets(largest: int, count: int = 4, multiple: int = 128) -> tuple
   return tuple(sorted({-(-max(1, largest >> k) // multiple) * multiple for k in range(count)}))
 
 
+def token_budget_batches(lengths, token_budget: int, max_rows: int) -> list[list[int]]:
+  """Groups examples of token counts ``lengths`` (in the order given: shuffle first) into
+  batches of at most ``max_rows`` examples and ``token_budget`` tokens, each batch filled
+  until the next example would not fit. Padded to ``[max_rows, L]`` (empty rows: mask 0), every
+  batch packs into the one capacity ``token_budget``: one compile for the whole run, and the
+  padding packing leaves is only the budget's unfilled end.
+
+  Returns:
+    each batch's example indices, in order. ValueError for an example longer than the
+    budget.
+  """
+  if token_budget < 1 or max_rows < 1:
+    raise ValueError(f"token_budget and max_rows must be positive, got {token_budget} and "
+                     f"{max_rows}")
+  batches, current, tokens = [], [], 0
+  for index, length in enumerate(int(n) for n in lengths):
+    if length > token_budget:
+      raise ValueError(f"example {index} has {length} tokens, more than token_budget="
+                       f"{token_budget}")
+    if current and (tokens + length > token_budget or len(current) == max_rows):
+      batches.append(current)
+      current, tokens = [], 0
+    current.append(index)
+    tokens += length
+  if current:
+    batches.append(current)
+  return batches
+
+
 def pack_layout(mask: Array, capacity: int) -> PackedLayout:
   """The packed layout of the non-zero entries of ``mask: [B, L]`` in ``capacity`` slots.
 

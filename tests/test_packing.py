@@ -11,7 +11,8 @@ import pytest
 
 from sebp_jax.packing import (attention_mask, attention_method, capacity_buckets,
                               fused_attention_implementation, gather_tokens, pack_layout,
-                              packed_attention, scatter_tokens, token_capacity)
+                              packed_attention, scatter_tokens, token_budget_batches,
+                              token_capacity)
 
 
 def _random_mask(rng, batch, length, kind):
@@ -412,6 +413,25 @@ def test_capacity_buckets_bound_the_compiles_and_the_padding():
   assert capacity_buckets(100, count=3, multiple=8) == (32, 56, 104)
   with pytest.raises(ValueError, match="positive"):
     capacity_buckets(0)
+
+
+def test_token_budget_batches_fill_a_fixed_capacity_in_order():
+  """Every example once, in order; no batch over the budget or the rows; each batch closed only
+  when the next example would not fit (so one capacity serves the run)."""
+  rng = np.random.default_rng(870)
+  lengths = rng.integers(1, 300, size=500)
+  groups = token_budget_batches(lengths, token_budget=1024, max_rows=8)
+  assert [i for group in groups for i in group] == list(range(500))
+  for group, following in zip(groups, groups[1:] + [None]):
+    tokens = int(lengths[group].sum())
+    assert tokens <= 1024 and len(group) <= 8
+    if following is not None:
+      assert len(group) == 8 or tokens + lengths[following[0]] > 1024
+  assert np.mean([lengths[g].sum() for g in groups[:-1]]) > 0.75 * 1024
+  with pytest.raises(ValueError, match="example 1 has 2000 tokens, more than token_budget"):
+    token_budget_batches([5, 2000], token_budget=1024, max_rows=8)
+  with pytest.raises(ValueError, match="must be positive"):
+    token_budget_batches([5], token_budget=0, max_rows=8)
 
 
 def test_fused_attention_needs_an_even_length():

@@ -158,3 +158,28 @@ def test_the_nnx_examples_losses_dense_sebp_and_packed_agree():
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
       np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monkeypatch):
+  """--token-budget: each batch as many paragraphs as fit the budget (rows left empty), one
+  capacity for every batch: the step compiles once, and packed equals dense. A tiny FlaxLlama
+  of SmolLM2's vocabulary stands in for the real model (test_real_models loads that)."""
+  from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+  from examples.pretrained import load_smollm2_tokenizer
+  tokenizer = load_smollm2_tokenizer()
+  model = FlaxLlamaForCausalLM(LlamaConfig(
+      vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64), seed=0)
+  monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
+  summary = finetune_llama.main([
+      "--steps", "3", "--batch-size", "4", "--max-length", "64", "--token-budget", "120",
+      "--timing-repeats", "1", "--out", str(tmp_path)])
+  assert summary["capacities"] == [120] and summary["sebp_compiles"] == 1
+  assert summary["max_loss_difference"] < 1e-5
+  args = finetune_llama.parse_args(["--batch-size", "4", "--max-length", "64",
+                                    "--token-budget", "120", "--steps", "20"])
+  train_batches = finetune_llama.load_train_batches(tokenizer, args)
+  assert len(train_batches) == 20
+  for batch in train_batches:
+    assert batch["input_ids"].shape == (4, 64) and 0 < batch["attention_mask"].sum() <= 120
