@@ -49,7 +49,7 @@ def _add_lm_head_flag(parser):
   parser.add_argument("--token-budget", type=int, default=None,
                       help="fill each batch with as many paragraphs (up to --batch-size) as "
                            "fit this many tokens (sebp_jax.token_budget_batches): one "
-                           "capacity, one compile for the run; default: --batch-size "
+                           "capacity, one compile for the run; None: --batch-size "
                            "paragraphs a batch, in one of four capacities")
 
 
