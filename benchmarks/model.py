@@ -4,8 +4,10 @@ and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
 of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one
 run, for each mode: forward, backward (forward + backward minus forward) and a whole AdamW
-step (median of ``--repeats``), and the peak device memory of the compiled step (XLA's memory
-analysis: arguments + outputs + temporaries - aliased).
+step, timed in ``--rounds`` interleaved rounds (every mode once a round, ``--repeats`` calls
+each: the median of the rounds, and the ratios to dense with their spread over the rounds),
+and the peak device memory of the compiled step (XLA's memory analysis: arguments + outputs +
+temporaries - aliased).
 
 With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
 of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
@@ -441,9 +443,13 @@ def gathering_params(loss_fn, mesh):
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
-        devices: int = 1, fsdp: bool = False, baseline=()):
-  """Measures each mode in turn, appending its record to ``out`` as soon as it is taken (with
-  its ratios to dense, when dense ran first), so that an interrupted run keeps them.
+        devices: int = 1, fsdp: bool = False, baseline=(), rounds: int = 1):
+  """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
+  every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
+  the machine's load falls on all modes alike), and appends one record per mode to ``out``:
+  each time the median of its rounds, the rounds themselves (``rounds_ms``), and the ratios
+  to dense as the median of the rounds' ratios with their smallest and largest
+  (``*_vs_dense_range``). A mode that runs out of memory is recorded as such and left out.
 
   With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
@@ -474,8 +480,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     modes = [m for m in modes if m not in LM_HEAD_MODES]
   if setup.nnx:
     modes = [m for m in modes if m in NNX_MODES]
-  rows = []
-  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s)", file=sys.stdout):
+  fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size,
+                top_n=top_n, compute_dtype="bfloat16",
+                param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
+                backend=backend, devices=devices, fsdp=fsdp)
+  prepared, rows = [], []
+  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend, sharding)
     mode_batch = put_batch(host_batch)
     if fsdp and mesh is not None:
@@ -486,34 +496,58 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    forward, grad = jax.jit(loss_fn), jax.jit(jax.grad(loss_fn))
-    compiled_step = jax.jit(step, out_shardings=step_shardings).lower(
-        params, opt_state, mode_batch).compile()
-    forward_ms = median_ms(forward, params, mode_batch, repeats=repeats)
-    grad_ms = median_ms(grad, params, mode_batch, repeats=repeats)
-    step_ms = median_ms(compiled_step, params, opt_state, mode_batch, repeats=repeats)
-    rows.append(record(
-        model=kind, setup=setup.name, mode=mode, tiny=tiny, batch_size=setup.batch_size,
-        padded_length=host_batch["input_ids"].shape[1],
-        real_tokens=int(np.count_nonzero(host_batch["attention_mask"])), top_n=top_n,
-        rows=int(host_batch["input_ids"].size), forward_ms=forward_ms, grad_ms=grad_ms,
-        backward_ms=grad_ms - forward_ms, step_ms=step_ms, peak_bytes=peak_bytes(compiled_step),
-        compute_dtype="bfloat16", param_dtype=jnp.dtype(setup.param_dtype).name,
-        repeats=repeats, backend=backend, devices=devices, fsdp=fsdp,
-        collectives=collective_counts(compiled_step),
-        collective_bytes=collective_bytes(compiled_step)))
-    rows[-1].update(real_token_throughput(rows[-1], num_params))
-    dense = next((r for r in rows if r["mode"] == "dense"), None)
-    row = rows[-1]
-    one_device = next((r for r in baseline if r["model"] == kind and r["mode"] == mode), None)
+    calls = {"forward": (jax.jit(loss_fn), (params, mode_batch)),
+             "grad": (jax.jit(jax.grad(loss_fn)), (params, mode_batch))}
+    try:
+      compiled_step = jax.jit(step, out_shardings=step_shardings).lower(
+          params, opt_state, mode_batch).compile()
+      calls["step"] = (compiled_step, (params, opt_state, mode_batch))
+      for fn, args in calls.values():
+        for _ in range(2):  # compile and warm up
+          jax.block_until_ready(fn(*args))
+    except jax.errors.JaxRuntimeError as error:
+      if "RESOURCE_EXHAUSTED" not in str(error):
+        raise
+      row = record(**fields, mode=mode, error=f"out of memory: {str(error).splitlines()[0]}")
+      rows.append(row)
+      append_json_lines(out, [row])
+      continue
+    prepared.append((mode, host_batch, compiled_step, calls))
+  samples = {mode: {stage: [] for stage in calls} for mode, _, _, calls in prepared}
+  for _ in tqdm(range(rounds), desc=f"{kind} on {devices} device(s), timing", unit="round",
+                file=sys.stdout):
+    for mode, _, _, calls in prepared:
+      for stage, (fn, args) in calls.items():
+        samples[mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0))
+  dense = samples.get("dense")
+  dense_peak = next((peak_bytes(step) for mode, _, step, _ in prepared if mode == "dense"), None)
+  for mode, host_batch, compiled_step, _ in prepared:
+    timed = {f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()}
+    timed["backward_ms"] = timed["grad_ms"] - timed["forward_ms"]
+    row = record(
+        **fields, mode=mode, padded_length=host_batch["input_ids"].shape[1],
+        real_tokens=int(np.count_nonzero(host_batch["attention_mask"])),
+        rows=int(host_batch["input_ids"].size),
+        **{name: float(np.median(ms)) for name, ms in timed.items()},
+        rounds_ms={name: ms.tolist() for name, ms in timed.items()},
+        peak_bytes=peak_bytes(compiled_step), collectives=collective_counts(compiled_step),
+        collective_bytes=collective_bytes(compiled_step))
+    row.update(real_token_throughput(row, num_params))
+    one_device = next((r for r in baseline if r["model"] == kind and r["mode"] == mode
+                       and "step_ms" in r), None)
     if one_device:
       row["scaling_efficiency"] = one_device["step_ms"] / row["step_ms"]
-    if dense:
-      row["backward_speedup_vs_dense"] = dense["backward_ms"] / row["backward_ms"]
-      row["grad_speedup_vs_dense"] = dense["grad_ms"] / row["grad_ms"]
-      row["step_speedup_vs_dense"] = dense["step_ms"] / row["step_ms"]
-      if dense["peak_bytes"] and row["peak_bytes"]:
-        row["peak_memory_vs_dense"] = row["peak_bytes"] / dense["peak_bytes"]
+    if dense is not None:
+      dense_ms = {f"{stage}_ms": np.asarray(ms) for stage, ms in dense.items()}
+      dense_ms["backward_ms"] = dense_ms["grad_ms"] - dense_ms["forward_ms"]
+      for stage in ("backward", "grad", "step"):
+        per_round = dense_ms[f"{stage}_ms"] / timed[f"{stage}_ms"]
+        row[f"{stage}_speedup_vs_dense"] = float(np.median(per_round))
+        row[f"{stage}_speedup_vs_dense_range"] = [float(per_round.min()),
+                                                  float(per_round.max())]
+      if dense_peak and row["peak_bytes"]:
+        row["peak_memory_vs_dense"] = row["peak_bytes"] / dense_peak
+    rows.append(row)
     append_json_lines(out, [row])
   return rows
 
@@ -535,19 +569,24 @@ def real_token_throughput(row: dict, num_params: int) -> dict:
 
 def print_table(rows) -> None:
   header = (f"{'model':14} {'mode':28} {'dev':>3} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} "
-            f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x':>6} "
+            f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x (rounds)':>17} "
             f"{'mem/dense':>9} {'scaling':>7}")
   print(header)
   print("-" * len(header))
+  nan = float("nan")
   for r in rows:
+    if "error" in r:
+      print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['error'][:60]}")
+      continue
+    low, high = r.get("step_speedup_vs_dense_range", (nan, nan))
     print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['padded_length']:5d} "
           f"{r['forward_ms']:8.2f} "
           f"{r['backward_ms']:8.2f} {r['grad_ms']:8.2f} {r['step_ms']:8.2f} "
-          f"{r.get('backward_speedup_vs_dense', float('nan')):6.2f} "
-          f"{r.get('grad_speedup_vs_dense', float('nan')):6.2f} "
-          f"{r.get('step_speedup_vs_dense', float('nan')):6.2f} "
-          f"{r.get('peak_memory_vs_dense', float('nan')):9.3f} "
-          f"{r.get('scaling_efficiency', float('nan')):7.2f}")
+          f"{r.get('backward_speedup_vs_dense', nan):6.2f} "
+          f"{r.get('grad_speedup_vs_dense', nan):6.2f} "
+          f"{r.get('step_speedup_vs_dense', nan):5.2f} ({low:4.2f}-{high:4.2f}) "
+          f"{r.get('peak_memory_vs_dense', nan):9.3f} "
+          f"{r.get('scaling_efficiency', nan):7.2f}")
 
 
 def main(argv=None) -> list[dict]:
@@ -561,8 +600,11 @@ def main(argv=None) -> list[dict]:
                       default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
   parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
-  parser.add_argument("--repeats", type=int, default=10,
-                      help="timed repeats of each measurement; the median is kept")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="calls of each measurement in a round; their median is the round's")
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="interleaved rounds, every mode timed once in each; a record keeps "
+                           "the median and the spread of the rounds")
   parser.add_argument("--seed", type=int, default=0, help="seed of the batch's tokens and lengths")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--devices", type=parse_positive_ints, default=[1],
@@ -574,14 +616,14 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
-  if args.repeats <= 0:
-    parser.error("--repeats must be positive")
+  if args.repeats <= 0 or args.rounds <= 0:
+    parser.error("--repeats and --rounds must be positive")
   rows = []
   for kind in args.model or sorted(SETUPS):
     one_device = []
     for devices in args.devices:
       runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
-                 devices=devices, fsdp=args.fsdp, baseline=one_device)
+                 devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds)
       one_device = runs if devices == 1 else one_device
       rows += runs
   print_table(rows)

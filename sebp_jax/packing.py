@@ -17,9 +17,10 @@ every gradient behind it: no token is ever dropped silently. A run-time error wo
 run-time branch in every step, which stalls the GPU's queue; choose ``C`` on the host instead
 (:func:`token_capacity`).
 
-Attention over the packed sequence costs ``C^2`` (one ``[C, C]`` mask), not the sum of the
-squared lengths: cheap while ``C`` is a few thousand tokens, and behind a length-aware kernel
-on the padded batch beyond that.
+Attention runs over the packed sequence with one ``[C, C]`` mask (``C^2``: cheap for a few
+thousand tokens), or, where cuDNN runs it and it pays, with each sequence in a row of its own
+given the lengths (:func:`row_attention`: the sum of the squared lengths), chosen by
+:func:`attention_method`.
 """
 
 from __future__ import annotations
@@ -354,12 +355,18 @@ def fused_attention_implementation(query: Array) -> str:
 ATTENTION_METHODS = ("auto", "rows", "mask")
 
 
+def _window_in_rows(window: int | None, layout: PackedLayout) -> bool:
+  """Whether :func:`row_attention` keeps ``window`` (in columns): none, one that covers every
+  row, or rows without holes, where a distance in ranks is one in columns."""
+  return window is None or window >= layout.row_width - 1 or layout.contiguous
+
+
 def _row_window(window: int | None, layout: PackedLayout) -> int | None:
   """``window`` in ranks for :func:`row_attention`, None where it covers every row; a
   ValueError where holes could make a distance in ranks differ from one in columns."""
   if window is None or window >= layout.row_width - 1:
     return None
-  if not layout.contiguous:
+  if not _window_in_rows(window, layout):
     raise ValueError(
         f"row attention with a sliding window ({window}) needs rows without holes, known "
         "from a concrete mask: with a traced mask, or holes, use the 'mask' attention")
@@ -383,7 +390,7 @@ def attention_method(query: Array, layout: PackedLayout, *, window: int | None,
   batch, width = layout.batch_shape[0], layout.row_width
   rows = jax.ShapeDtypeStruct((batch, width, *query.shape[2:]), query.dtype)
   if (dropout or fused_attention_implementation(rows) != "cudnn"
-      or (window is not None and window < width - 1 and not layout.contiguous)
+      or not _window_in_rows(window, layout)
       or ROW_SLOT_COST * batch * width >= layout.capacity ** 2):
     return "mask"
   return "rows"

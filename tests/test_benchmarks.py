@@ -124,7 +124,8 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
   out = tmp_path / "model.jsonl"
   modes = ["dense", "sebp_shared", "sebp_packed", "longest_dense_fast_attention"]
   rows = model.main(["--tiny", "--model", "bert", "--modes", ",".join(modes + ["sebp_lm_head"]),
-                     "--devices", "1,2", "--fsdp", "--repeats", "1", "--out", str(out)])
+                     "--devices", "1,2", "--fsdp", "--repeats", "1", "--rounds", "2",
+                     "--out", str(out)])
   assert [(r["devices"], r["mode"]) for r in rows] == (
       [(1, m) for m in modes] + [(2, m) for m in modes if m != "sebp_packed"])
   assert len(out.read_text().splitlines()) == len(rows)
@@ -132,6 +133,11 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
     assert row["backward_ms"] > 0 and row["step_ms"] > 0
     assert math.isfinite(row["backward_speedup_vs_dense"])
     assert math.isfinite(row["grad_speedup_vs_dense"])
+    # Interleaved rounds: the medians of the rounds, the ratios' spread over them.
+    assert all(len(row["rounds_ms"][f"{stage}_ms"]) == 2 for stage in ("forward", "grad", "step"))
+    assert row["step_ms"] == pytest.approx(np.median(row["rounds_ms"]["step_ms"]))
+    low, high = row["step_speedup_vs_dense_range"]
+    assert low <= row["step_speedup_vs_dense"] <= high
     assert 0 < row["real_tokens"] < row["rows"]
     assert row["real_tokens_per_s"] == pytest.approx(row["real_tokens"] / row["step_ms"] * 1e3)
     assert row["num_params"] > 0 and row["real_token_mfu"] is None  # no peak known for CPUs
@@ -148,10 +154,34 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
   assert sebp["top_n"] < sebp["real_tokens"]  # Each shard's own capacity.
 
 
+def test_a_mode_out_of_memory_is_recorded_and_the_others_run(tmp_path, monkeypatch, capsys):
+  mode_loss = model.mode_loss
+
+  def failing(kind, net, mode, *args, **kwargs):
+    batch, loss = mode_loss(kind, net, mode, *args, **kwargs)
+    if mode != "sebp_shared":
+      return batch, loss
+
+    def out_of_memory(params, batch):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                       "allocate 343.45GiB")
+    return batch, out_of_memory
+
+  monkeypatch.setattr(model, "mode_loss", failing)
+  out = tmp_path / "model.jsonl"
+  rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared,sebp_packed",
+                     "--repeats", "1", "--rounds", "1", "--out", str(out)])
+  assert [r["mode"] for r in rows] == ["sebp_shared", "dense", "sebp_packed"]
+  assert rows[0]["error"].startswith("out of memory: RESOURCE_EXHAUSTED")
+  assert rows[2]["step_speedup_vs_dense"] > 0
+  assert len(out.read_text().splitlines()) == 3
+  assert "out of memory" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_nnx_rows_beside_the_linen_ones():
   rows = model.main(["--tiny", "--model", "llama", "--model", "llama_nnx", "--modes",
-                     "dense,sebp_lm_head,sebp_packed", "--repeats", "1"])
+                     "dense,sebp_lm_head,sebp_packed", "--repeats", "1", "--rounds", "1"])
   # The NNX Llama ties its head to the embedding: no head for SEBP to swap.
   assert [(r["model"], r["mode"]) for r in rows] == [
       ("llama", "dense"), ("llama", "sebp_lm_head"), ("llama", "sebp_packed"),
