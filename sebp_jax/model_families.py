@@ -1,4 +1,7 @@
-"""The transformers Flax model families that ``use_sebp(packed=True)`` runs on real tokens only.
+"""The model families whose attention packing runs per sequence: the transformers Flax models
+that ``use_sebp(packed=True)`` runs on real tokens only, and the NNX attention modules that
+:class:`sebp_jax.nnx.use_packed_attention` runs on inputs packed by
+:func:`sebp_jax.pack_decoder_inputs`.
 
 Each family names a *region*, the module whose call runs packed (its token input gathered into
 ``[1, C]`` on entry, its outputs scattered back to ``[B, L]`` on exit), and the attention
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -113,6 +117,66 @@ FAMILIES = (
                  ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
 )
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
+
+
+def tunix_llama3_attention(module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """Tunix's Llama 3 ``Attention.block`` with ``attention_core``: its projections (and their
+  activation sharding), rotary embeddings at the given positions, causal, no cache; the
+  ``attn_mask`` argument is not read (the core keeps each sequence apart)."""
+  if arguments.get("cache") is not None:
+    raise ValueError("use_packed_attention cannot run Tunix's Llama 3 with a decoding cache; "
+                     "call the model without one")
+  llama3 = sys.modules[_original_class(module).__module__]
+  hidden, positions = arguments["x"], arguments["segment_pos"]
+  sharding = module.shd_config
+  query, key, value = (llama3.shard(projection(hidden), sharding.act_btnh)
+                       for projection in (module.q_proj, module.k_proj, module.v_proj))
+  query = llama3.apply_rope(query, positions, head_dim=module.head_dim)
+  key = llama3.apply_rope(key, positions, head_dim=module.head_dim)
+  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=None,
+                       dropout_rate=0.0)
+  return None, llama3.shard(module.o_proj(out), sharding.act_btd)
+
+
+def _original_class(module) -> type:
+  """The model library's class of ``module``, also while a context has swapped it for a
+  subclass of its own."""
+  return next(c for c in type(module).__mro__ if not c.__module__.startswith("sebp_jax."))
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXAttention:
+  """An NNX model library's attention module that packing runs per sequence.
+
+  Attributes:
+    name: for messages.
+    module: the class's module (``"tunix.models.llama3.model"``).
+    class_name: the class's name.
+    method: the method replaced (one the class's ``__call__`` reaches, so that the model's
+      own remat still wraps it).
+    attend: ``(module, attention_core, arguments) -> outputs`` in place of ``method``, its
+      arguments bound by name.
+  """
+  name: str
+  module: str
+  class_name: str
+  method: str
+  attend: Callable[[Any, AttentionCore, dict], Any]
+
+
+NNX_ATTENTION = (
+    NNXAttention("Tunix Llama 3", "tunix.models.llama3.model", "Attention", "block",
+                 tunix_llama3_attention),
+)
+NNX_SUPPORTED = ", ".join(f"{a.module}.{a.class_name}" for a in NNX_ATTENTION)
+
+
+def nnx_attention(module) -> NNXAttention | None:
+  """The entry of :data:`NNX_ATTENTION` for ``module`` (its own class, not a subclass with
+  the method replaced), or None."""
+  cls = type(module)
+  return next((a for a in NNX_ATTENTION if cls.__module__ == a.module
+               and cls.__name__ == a.class_name), None)
 
 
 def _from_transformers(module: nn.Module) -> bool:

@@ -16,11 +16,16 @@ entering the context outside a jitted step works too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import inspect
 import math
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
@@ -28,6 +33,7 @@ from sebp_jax import context as context_lib
 from sebp_jax import model_families
 from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
 from sebp_jax.layers import resolve_top_n
+from sebp_jax.packing import ATTENTION_METHODS, PackedLayout, packed_attention
 from sebp_jax.ops import (sebp_embed_lookup, sebp_linear, validate_backend, validate_capacity,
                           validate_overflow, validate_threshold)
 from sebp_jax.report import RowLog
@@ -35,7 +41,7 @@ from sebp_jax.report import RowLog
 Array = jax.Array
 
 __all__ = ["EinsumLayer", "LayerSwap", "SEBPEmbed", "SEBPLinear", "SEBPReport", "dense_forward",
-           "register_einsum", "use_sebp"]
+           "register_einsum", "use_packed_attention", "use_sebp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,3 +469,122 @@ class use_sebp(SEBPContext):
     # No layer ran when a jitted step compiled before, under an equal context, ran.
     if exc_type is None and not self.remember_or_reuse_report() and self.layers_seen:
       self.check_swaps("linear layer", "")
+
+
+# Per thread, the active use_packed_attention (the class swap is seen by every thread).
+_PACKED_ATTENTION = threading.local()
+# The active use_packed_attention's method and concrete layout, part of jax.jit's cache key: a
+# step jitted outside the context (nnx.jit of a model whose attention it swapped) compiles
+# again for another batch's layout instead of keeping the first one's.
+_PACKED_JIT_KEY = jax.make_user_context(None)
+_UNIQUE = iter(range(1 << 62))
+_PACKED_CLASSES: dict[type, type] = {}
+
+
+def _packed_attention_class(cls: type, entry: model_families.NNXAttention) -> type:
+  """``cls`` with ``entry.method`` run per sequence while its thread's
+  :class:`use_packed_attention` is active; made once per class (see :func:`_swapped_class`)."""
+  if cls not in _PACKED_CLASSES:
+    own = getattr(cls, entry.method)
+    signature = inspect.signature(own)
+
+    @functools.wraps(own)
+    def per_sequence(self, *args, **kwargs):
+      context = getattr(_PACKED_ATTENTION, "context", None)
+      if context is None:
+        return own(self, *args, **kwargs)
+      bound = signature.bind(self, *args, **kwargs)
+      bound.apply_defaults()
+      return entry.attend(self, context.attention_core(bound.arguments), bound.arguments)
+
+    _PACKED_CLASSES[cls] = type(f"SEBPPacked{cls.__name__}", (cls,),
+                                {"__module__": __name__, entry.method: per_sequence})
+  return _PACKED_CLASSES[cls]
+
+
+class use_packed_attention:
+  """Runs the attention of an NNX decoder called on packed inputs per sequence.
+
+  ::
+
+      packed = sebp_jax.pack_decoder_inputs(input_ids, attention_mask, capacity)
+      with sebp_jax.nnx.use_packed_attention(model, packed.layout):
+        logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
+      logits = packed.unpack(logits)
+
+  The model's attention over the packed sequence costs ``C²`` for ``C`` slots whatever it is
+  given; inside this context each attention module it knows (:data:`sebp_jax.model_families.
+  NNX_ATTENTION`: Tunix's Llama 3) runs :func:`sebp_jax.packing.packed_attention` with the
+  layout instead: each sequence in a row of its own where cuDNN runs (``"rows"``, a cost
+  that follows the squared lengths), else one mask built from the layout; the model's own
+  ``[1, C, C]`` mask is not read, and XLA drops it. The outputs at real tokens are those of
+  the padded batch.
+
+  Enter it where the packed inputs are made, best inside the traced function (the loss under
+  ``nnx.grad``). Entered outside ``nnx.jit``, a concrete layout's contents are part of jit's
+  cache key: each batch's layout compiles its own step. The attention modules get a subclass
+  of their class while it is active (so the model's own remat still wraps the attention) and
+  their class back on exit; a module runs its own attention in another thread.
+
+  Args:
+    model: the NNX model.
+    layout: the packed inputs' :class:`~sebp_jax.packing.PackedLayout`.
+    attention: one of :data:`~sebp_jax.packing.ATTENTION_METHODS` (as ``use_sebp``'s).
+  """
+
+  def __init__(self, model: nnx.Module, layout: PackedLayout, attention: str = "auto"):
+    if not isinstance(model, nnx.Module):
+      raise ValueError(f"use_packed_attention: model must be an nnx.Module, got "
+                       f"{type(model).__name__}")
+    if not isinstance(layout, PackedLayout):
+      raise ValueError("use_packed_attention: layout must be a sebp_jax.packing.PackedLayout "
+                       f"(pack_decoder_inputs(...).layout), got {type(layout).__name__}")
+    if attention not in ATTENTION_METHODS:
+      raise ValueError(f"attention must be one of {ATTENTION_METHODS}, got {attention!r}")
+    self.model, self.layout, self.attention = model, layout, attention
+    self._swapped: list[tuple[nnx.Module, type]] = []
+
+  def attention_core(self, arguments: dict):
+    """:func:`packed_attention` on this context's layout, for a call with ``arguments``."""
+    # The method's first argument after self is the attention's input.
+    shape = jnp.shape(list(arguments.values())[1])
+    capacity = self.layout.capacity
+    if tuple(shape[:2]) != (1, capacity):
+      raise ValueError(f"use_packed_attention: the attention's input has shape {shape}, not "
+                       f"(1, {capacity}, ...) of the layout: call the model on the packed "
+                       "inputs")
+    return functools.partial(packed_attention, layout=self.layout, method=self.attention)
+
+  def __enter__(self) -> "use_packed_attention":
+    if getattr(_PACKED_ATTENTION, "context", None) is not None:
+      raise RuntimeError("use_packed_attention contexts do not nest")
+    for _, module in nnx.iter_modules(self.model):
+      entry = model_families.nnx_attention(module)
+      if entry is not None:
+        self._swapped.append((module, type(module)))
+        object.__setattr__(module, "__class__", _packed_attention_class(type(module), entry))
+    if not self._swapped:
+      raise ValueError("use_packed_attention found no attention module it can run per "
+                       f"sequence in the model; supported: {model_families.NNX_SUPPORTED}")
+    self._jit_key = _PACKED_JIT_KEY((self.attention, self._layout_key()))
+    self._jit_key.__enter__()
+    _PACKED_ATTENTION.context = self
+    return self
+
+  def _layout_key(self) -> tuple:
+    """The layout's contents where they are concrete, else nothing shared with another."""
+    leaves = jax.tree.leaves(self.layout)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return ("traced", next(_UNIQUE))
+    digest = hashlib.sha256()
+    for leaf in leaves:
+      digest.update(np.asarray(leaf).tobytes())
+    return (self.layout.batch_shape, self.layout.capacity, self.layout.row_width,
+            self.layout.contiguous, digest.hexdigest())
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    for module, cls in reversed(self._swapped):
+      object.__setattr__(module, "__class__", cls)
+    self._swapped.clear()
+    _PACKED_ATTENTION.context = None
+    self._jit_key.__exit__(None, None, None)

@@ -308,8 +308,10 @@ class PackedDecoderInputs:
 
   def unpack(self, outputs: Array) -> Array:
     """The decoder's ``[1, C, ...]`` outputs back at ``[B, L, ...]``, zeros at padding (all
-    NaN where the batch overflowed the capacity)."""
-    return scatter_tokens(outputs, self.layout)
+    NaN where the batch overflowed the capacity). Remembered with their packed rows
+    (:func:`remember_packed`): ``masked_causal_lm_loss`` of unpacked logits reads the
+    ``[C, V]`` rows, and the ``[B, L, V]`` logits are never made."""
+    return remember_packed(scatter_tokens(outputs, self.layout), outputs, self.layout)
 
 
 def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
@@ -325,6 +327,9 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
   token's index among its row's real tokens (its column, for right padding); give the padded
   call's own if it uses others. ``window``: sliding-window attention. Pick ``capacity`` on
   the host (:func:`token_capacity`); a batch with more real tokens unpacks to NaN.
+
+  A decoder's own attention over the packed sequence costs ``C²`` whatever the mask; inside
+  :class:`sebp_jax.nnx.use_packed_attention` (Tunix's Llama 3) it runs per sequence.
   """
   layout = pack_layout(mask, capacity)
   if positions is None:

@@ -1,6 +1,8 @@
 """`sebp_jax.nnx.use_sebp` on a model nobody here wrote: Tunix's NNX Llama 3 (its own einsum
 attention projections, nnx.Linear MLP, nnx.remat of its blocks), gradients equal `nnx.grad`."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from flax import nnx
 
 from examples.pretrained import tunix_llama3, tunix_logits
 from sebp_jax import nnx as sebp_nnx
+from sebp_jax import pack_decoder_inputs
 from sebp_jax.losses import masked_causal_lm_loss
 from tests.model_testing import assert_every_gradient_close
 
@@ -95,11 +98,13 @@ def test_a_dropped_row_changes_the_gradient():
   assert jnp.isfinite(kernel(fewer)).all()
 
 
+@pytest.mark.parametrize("attention", ["mask", "rows"])
 @pytest.mark.parametrize("padding", ["right", "left", "holes"])
-def test_packed_inputs_give_the_padded_logits_and_gradients(padding):
+def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
   """Tunix's Llama on the real tokens only (`pack_decoder_inputs`, through `tunix_logits`
-  with a capacity): the padded batch's logits at real tokens, zeros at padding, and the
-  loss's gradient; with SEBP on the packed rows too."""
+  with a capacity), its attention per sequence by either method: the padded batch's logits
+  at real tokens, zeros at padding, and the loss's gradient; with SEBP on the packed rows
+  too."""
   model = _tiny_llama(weight_tying=True, remat="BLOCK")
   ids, mask = _batch(3)
   if padding == "left":
@@ -109,13 +114,13 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding):
     ids = ids * mask
   capacity = int(mask.sum()) + 5  # Filler slots too.
   padded = tunix_logits(model, ids, mask)
-  packed = tunix_logits(model, ids, mask, capacity=capacity)
+  packed = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
   real = mask.astype(bool)
   np.testing.assert_allclose(packed[real], padded[real], rtol=1e-5, atol=1e-5)
   assert not np.any(packed[~real])
 
   def packed_loss(model):
-    logits = tunix_logits(model, ids, mask, capacity=capacity)
+    logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
     return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
 
   want = nnx.state(nnx.grad(_loss)(model, ids, mask), nnx.Param)
@@ -124,7 +129,7 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding):
 
   def packed_sebp_loss(model):
     with sebp_nnx.use_sebp(model, top_n=capacity, lm_head=True, backend="xla") as report:
-      logits = tunix_logits(model, ids, mask, capacity=capacity)
+      logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
     assert len(report.swapped) == 14  # Tied: the LM head is the embedding's decode.
     return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
 
@@ -137,3 +142,104 @@ def test_packed_inputs_overflowing_the_capacity_give_nan():
   logits = nnx.jit(lambda m, ids, mask: tunix_logits(m, ids, mask, capacity=4))(
       model, ids, mask)
   assert np.isnan(np.asarray(logits)).all()
+
+
+def _long_batch(seed, batch=24, length=160, vocab=96):
+  """Many sequences of spread lengths, right-padded: about 2,000 real tokens."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(8, length + 1, size=batch)
+  mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+  return rng.integers(1, vocab, (batch, length)).astype(np.int32) * mask, mask
+
+
+def test_row_attention_over_thousands_of_packed_tokens():
+  """24 sequences, about 2,000 tokens packed, attention in rows: the padded model's loss and
+  gradient, and the compiled step holds neither the model's [C, C] mask nor [B, L, V]
+  logits (the loss reads the packed rows)."""
+  model = _tiny_llama(weight_tying=False, remat="BLOCK")
+  ids, mask = _long_batch(5)
+  capacity = int(mask.sum()) + 3
+  assert capacity > 1500
+
+  def packed_loss(model):
+    logits = tunix_logits(model, ids, mask, capacity=capacity, attention="rows")
+    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+
+  step = nnx.jit(nnx.value_and_grad(packed_loss))
+  loss, grads = step(model)
+  want_loss, want = nnx.value_and_grad(_loss)(model, ids, mask)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  assert_every_gradient_close(nnx.state(grads, nnx.Param), nnx.state(want, nnx.Param))
+
+  graphdef, state = nnx.split(model)
+  hlo = jax.jit(lambda s: nnx.value_and_grad(packed_loss)(nnx.merge(graphdef, s))).lower(
+      state).compile().as_text()
+  batch, length = ids.shape
+  assert f"{capacity},{capacity}]" not in hlo
+  assert f"[{batch},{length},96]" not in hlo and f"[{batch * length},96]" not in hlo
+
+
+def test_use_packed_attention_restores_the_model_and_refuses_misuse():
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(6)
+  capacity = int(mask.sum())
+  packed = pack_decoder_inputs(ids, mask, capacity)
+  graphdef = nnx.graphdef(model)
+  with sebp_nnx.use_packed_attention(model, packed.layout, "rows"):
+    assert nnx.graphdef(model) != graphdef
+    with pytest.raises(RuntimeError, match="do not nest"):
+      sebp_nnx.use_packed_attention(model, packed.layout).__enter__()
+    with pytest.raises(ValueError, match=r"not \(1, %d, ...\)" % capacity):
+      model(ids, np.zeros_like(ids), None, None)
+  assert nnx.graphdef(model) == graphdef
+  with pytest.raises(ValueError, match="attention must be one of"):
+    sebp_nnx.use_packed_attention(model, packed.layout, "flash")
+  with pytest.raises(ValueError, match="layout must be"):
+    sebp_nnx.use_packed_attention(model, mask)
+  with pytest.raises(ValueError, match="no attention module .* supported: tunix"):
+    with sebp_nnx.use_packed_attention(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), packed.layout):
+      pass
+
+
+def test_a_step_jitted_outside_the_context_compiles_for_each_layout():
+  """Entered outside nnx.jit, each batch's concrete layout is part of the cache key: a second
+  batch of the same shapes runs with its own layout, not the first one's."""
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  step = nnx.jit(lambda m, ids, positions: m(ids, positions, None, None)[0])
+  for seed in (8, 9):
+    ids, mask = _batch(seed)
+    packed = pack_decoder_inputs(ids, mask, 36)
+    with sebp_nnx.use_packed_attention(model, packed.layout, "rows"):
+      logits = packed.unpack(step(model, packed.input_ids, packed.positions))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[real],
+                               np.asarray(tunix_logits(model, ids, mask))[real],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_another_thread_runs_the_models_own_attention():
+  """The class swap is seen by every thread; only the thread that entered the context runs
+  the model per sequence (here rows on the packed inputs, elsewhere the model's own
+  attention on a padded batch)."""
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(7)
+  packed = pack_decoder_inputs(ids, mask, int(mask.sum()))
+  want = np.asarray(tunix_logits(model, ids, mask))
+  entered, done = threading.Event(), threading.Event()
+  got = {}
+
+  def hold_the_context():
+    with sebp_nnx.use_packed_attention(model, packed.layout, "rows"):
+      entered.set()
+      done.wait(60)
+      got["packed"] = packed.unpack(model(packed.input_ids, packed.positions, None, None)[0])
+
+  holder = threading.Thread(target=hold_the_context)
+  holder.start()
+  entered.wait(60)
+  got["padded"] = tunix_logits(model, ids, mask)
+  done.set()
+  holder.join()
+  real = mask.astype(bool)
+  np.testing.assert_allclose(got["padded"], want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got["packed"])[real], want[real], rtol=1e-5, atol=1e-5)

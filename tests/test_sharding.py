@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
-from sebp_jax.sharding import collective_bytes, collective_counts, row_sharding, shard_row_counts
+from sebp_jax.sharding import collective_counts, row_sharding, shard_row_counts
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
