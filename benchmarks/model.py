@@ -23,7 +23,10 @@ Modes:
                  GPUs; XLA elsewhere): what a user gets without this library
   sebp_packed    ``use_sebp(packed=True)``: the encoder / decoder stack and the LM head on the
                  real tokens only (capacity: ``token_capacity``, real tokens rounded up to
-                 128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``)
+                 128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``),
+                 a large LM head's logits computed in chunks of rows (``head_chunk="auto"``)
+  sebp_packed_whole_head  sebp_packed with the packed head's ``[C, V]`` logits made whole
+                 (``head_chunk=None``)
   sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch,
                  ``overflow="drop"``: the paper's rule)
   sebp_layer_auto  per-layer selection, ``top_n="auto"``: each layer branches at run time
@@ -95,9 +98,12 @@ LONGEST = "longest_"
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
+         "sebp_packed_whole_head",
          *(LONGEST + m for m in ("dense", "dense_fast_attention", "sebp_shared", "sebp_packed")))
 #: Modes that need a language-model head.
-LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head")
+LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head", "sebp_packed_whole_head")
+#: Modes that pack the batch's real tokens.
+PACKED_MODES = ("sebp_packed", "sebp_packed_whole_head")
 #: The modes of the NNX model.
 NNX_MODES = ("dense", "sebp_layer", "sebp_layer_auto", "sebp_shared", "sebp_exact", "sebp_auto",
              "sebp_auto_host", "sebp_floor", "bound", "sebp_packed")
@@ -341,7 +347,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     options = sebp_options(mode, mask, top_n, backend, host_mask, sharding)
     if options is not None:
       return use_sebp(**options)
-    if mode == "sebp_packed":
+    if mode in PACKED_MODES:
       return use_sebp(top_n=capacity, backend=backend, active_mask=mask, packed=True)
     if mode == "dense_fast_attention":
       return length_aware_attention(jnp.sum(mask, axis=1, dtype=jnp.int32))
@@ -361,8 +367,10 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     if kind == "bert":
       return optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), batch["labels"]).mean()
-    return masked_causal_lm_loss(logits, batch["input_ids"], batch["attention_mask"],
-                                 capacity=capacity if mode == "sebp_packed" else None)
+    return masked_causal_lm_loss(
+        logits, batch["input_ids"], batch["attention_mask"],
+        capacity=capacity if mode in PACKED_MODES else None,
+        head_chunk=None if mode == "sebp_packed_whole_head" else "auto")
   return loss_fn
 
 
@@ -469,7 +477,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     params = jax.device_put(params, param_shardings(params, mesh, fsdp))
     put_batch = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     # Packing runs on one device's batch; sharded batches select per shard instead.
-    modes = [m for m in modes if not m.endswith("sebp_packed")]
+    modes = [m for m in modes if m.removeprefix(LONGEST) not in PACKED_MODES]
   opt_state = jax.jit(optimizer.init)(params)
   if mesh is not None:
     # The optimizer's step count, made on one device, replicated like the params.

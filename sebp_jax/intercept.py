@@ -30,8 +30,8 @@ import numpy as np
 from sebp_jax import model_families
 from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
                               SEBPReport, record)
-from sebp_jax.layers import (SEBPDense, SEBPEmbed, module_path, resolve_top_n, sebp_dense_call,
-                             sebp_embed_call)
+from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
+                             sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pack_layout,
                               packed_attention, remember_packed, scatter_tokens,
@@ -299,10 +299,12 @@ class use_sebp(SEBPContext):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
         record(self.report.packed, path)
-        packed = next_fun(gather_tokens(inputs, self._layout))
-        # A loss may read the packed rows (masked_causal_lm_loss does): the [B, L, V]
-        # logits are then never made.
-        return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout)
+        hidden = gather_tokens(inputs, self._layout)
+        packed = next_fun(hidden)
+        # A loss may read the packed rows, or compute them a few at a time from the head
+        # (masked_causal_lm_loss does): the [B, L, V] logits are then never made.
+        return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
+                               linear_head(module, hidden[0]))
     return _NOT_PACKED
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:

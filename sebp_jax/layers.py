@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_embed_lookup, sebp_linear
+from sebp_jax.packing import LinearHead
 from sebp_jax.report import RowLog
 
 Array = jax.Array
@@ -77,6 +78,19 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str
                      threshold=threshold, overflow=overflow, precision=module.precision,
                      backend=backend, active_rows=active_rows, dtype=dtype,
                      row_log=_log_entry(row_log, module), batch_axes=batch_axes, mesh=mesh)
+
+
+def linear_head(module: nn.Dense, inputs: Array) -> LinearHead | None:
+  """``module``, a Dense layer that has run, as the :class:`LinearHead` of its output on
+  ``inputs: [C, D]`` (its forward's promotion applied); None where its matmul is its own
+  (a custom ``dot_general``, or a subclass with its own ``__call__``)."""
+  if (type(module).__call__ not in (nn.Dense.__call__, SEBPDense.__call__)
+      or module.dot_general is not None or module.dot_general_cls is not None):
+    return None
+  kernel = module.get_variable("params", "kernel")
+  bias = module.get_variable("params", "bias") if module.use_bias else None
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  return LinearHead(inputs, kernel, bias, module.precision)
 
 
 def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float | str,

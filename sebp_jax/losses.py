@@ -2,28 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sebp_jax.ops import validate_top_n
-from sebp_jax.packing import packed_rows_of
+from sebp_jax.packing import LinearHead, packed_rows_of
+
+#: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
+#: are computed in chunks of rows, each at most :data:`HEAD_CHUNK_BYTES`.
+HEAD_CHUNK_ABOVE_BYTES = 1 << 30
+HEAD_CHUNK_BYTES = 1 << 28
 
 
 def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, *,
-                          capacity: int | None = None) -> jax.Array:
+                          capacity: int | None = None,
+                          head_chunk: int | str | None = "auto") -> jax.Array:
   """Mean next-token cross-entropy over real tokens only.
 
   Args:
     logits: ``[B, L, V]`` predictions for each position. Where they are the output of an LM
-      head that ``use_sebp(packed=True)`` ran on the real tokens, the loss reads that head's
+      head run on the real tokens (``use_sebp(packed=True)``, or
+      :meth:`~sebp_jax.packing.PackedDecoderInputs.unpack`), the loss reads the head's
       ``[C, V]`` packed rows instead: the ``[B, L, V]`` logits are then never made (unless
       something else reads them), and the value is the same.
     input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes). Padding may hold any
       id (0, -100, the vocabulary size); a real token's id out of ``[0, V)`` makes the loss
-      NaN.
+      and its gradient NaN.
     attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
     capacity: optional static count of rows for the log-softmax over the vocabulary: the
       positions whose target is real are gathered into ``[capacity, V]`` and only those are
@@ -33,6 +42,13 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       ``capacity`` gets a NaN loss and gradient, never a silently partial one (an exact
       fallback would be a run-time branch, ``lax.cond``, in every step, which stalls the
       GPU's queue; :func:`sebp_jax.token_capacity` picks a capacity on the host).
+    head_chunk: where the logits are a packed Dense LM head's (``use_sebp(packed=True,
+      lm_head=...)`` on a Linen model), compute them from the head's inputs and kernel this
+      many rows at a time (:func:`linear_cross_entropy`), so that the ``[C, V]`` logits are
+      never held at once either: an int, ``"auto"`` (default: chunks of at most
+      :data:`HEAD_CHUNK_BYTES` of float32 logits where all of them would pass
+      :data:`HEAD_CHUNK_ABOVE_BYTES`), or None (the packed rows, whole). Other logits are
+      read whole.
 
   Returns:
     Scalar: position t predicts token t + 1, counted where tokens t and t + 1 are real. Padding
@@ -54,11 +70,12 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     capacity = validate_top_n(capacity, "capacity")
     poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
   packed = packed_rows_of(logits)
+  head = None
   if packed is not None:
-    rows, layout = packed[0][0], packed[1]
-    positions = layout.token_rows  # filler out of range: label 0, weight 0
+    rows, head = packed.rows[0], packed.head
+    positions = packed.layout.token_rows  # filler out of range: label 0, weight 0
     # The batch overflowed the packing capacity: the scattered logits would be NaN.
-    poison = poison + jnp.where(layout.invalid, jnp.nan, 0.0)
+    poison = poison + jnp.where(packed.layout.invalid, jnp.nan, 0.0)
   elif capacity is not None:
     # Unused slots read row R (out of range): zero logits, label 0, weight 0.
     (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
@@ -71,15 +88,128 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     labels, weights = take(labels), take(weights)
   weights = weights + poison  # NaN: the loss and every gradient behind it
   # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
-  # class 0, so that its loss is finite and a zero weight cancels it (NaN x 0 would be NaN);
-  # at a real target it makes the loss NaN.
+  # class 0 with its zero weight; at a real target it weighs NaN.
   in_vocab = (labels >= 0) & (labels < vocab)
-  token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
-                                                               jnp.where(in_vocab, labels, 0))
-  token_loss = jnp.where(in_vocab, token_loss, jnp.nan)
-  total = jnp.sum(jnp.where(weights == 0, 0.0, token_loss * weights))
+  weights = jnp.where(in_vocab | (weights == 0), weights, jnp.nan)
+  labels = jnp.where(in_vocab, labels, 0)
+  chunk = _head_chunk(head_chunk, head, rows.shape[0], vocab)
+  if chunk is not None:
+    total = linear_cross_entropy(head.inputs, head.kernel, head.bias, labels, weights,
+                                 chunk=chunk, precision=head.precision)
+  else:
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
+                                                                 labels)
+    total = _weighted_sum(token_loss, weights)
   if packed is not None:
     # Targets of positions the packing left out (not in its mask): their logits are zeros
     # in the scattered output, log V each.
     total += (num_targets - jnp.sum(weights)) * math.log(vocab)
   return total / jnp.maximum(num_targets, 1.0)
+
+
+def _head_chunk(head_chunk, head: LinearHead | None, num_rows: int, vocab: int) -> int | None:
+  """The rows per chunk of :func:`linear_cross_entropy` for ``head_chunk``, or None: the
+  packed rows whole."""
+  if head_chunk is None or head is None:
+    return None
+  if head_chunk == "auto":
+    if num_rows * vocab * 4 <= HEAD_CHUNK_ABOVE_BYTES:
+      return None
+    return max(8, HEAD_CHUNK_BYTES // (4 * vocab) // 8 * 8)
+  return validate_top_n(head_chunk, "head_chunk")
+
+
+def _weighted_sum(token_loss: jax.Array, weights: jax.Array) -> jax.Array:
+  """``sum(weights * token_loss)`` over the rows of non-zero weight (a NaN weight counts)."""
+  return jnp.sum(jnp.where(weights == 0, 0.0, token_loss * weights))
+
+
+def _padded_chunks(array: jax.Array, chunk: int) -> jax.Array:
+  """``array: [N, ...]`` as ``[ceil(N / chunk), chunk, ...]``, zeros past its end."""
+  extra = -array.shape[0] % chunk
+  array = jnp.pad(array, ((0, extra),) + ((0, 0),) * (array.ndim - 1))
+  return array.reshape(-1, chunk, *array.shape[1:])
+
+
+def _chunk_cross_entropy(rows, labels, kernel, bias, precision):
+  """``(logits, log_norm, loss)`` of one chunk: its logits as the Dense head computes them
+  (its dtype), normalised in float32."""
+  logits = jnp.dot(rows, kernel, precision=precision)
+  if bias is not None:
+    logits = logits + bias
+  logits = logits.astype(jnp.float32)
+  log_norm = jax.nn.logsumexp(logits, axis=-1)
+  label_logits = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+  return logits, log_norm, log_norm - label_logits
+
+
+def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None,
+                         labels: jax.Array, weights: jax.Array, *, chunk: int,
+                         precision=None) -> jax.Array:
+  """``sum_r weights[r] * cross_entropy(inputs[r] @ kernel + bias, labels[r])`` over the rows
+  of non-zero weight, ``chunk`` rows at a time: no ``[N, V]`` logits are held at once.
+
+  Args:
+    inputs: ``[N, D]``, in the head's dtype (bf16 logits are computed as the head does, then
+      normalised in float32).
+    kernel: ``[D, V]``; bias: ``[V]`` or None.
+    labels: ``int[N]`` in ``[0, V)``.
+    weights: ``float32[N]``; a NaN weight makes the sum and every gradient NaN.
+    chunk: rows per chunk.
+    precision: of the matmuls.
+
+  The gradients (of ``inputs``, ``kernel``, ``bias``) are computed with the value, chunk by
+  chunk, so each chunk's logits are made once; a call that is not differentiated computes
+  the value only.
+  """
+  return _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precision):
+  def chunk_sum(total, chunk_of):
+    rows, chunk_labels, chunk_weights = chunk_of
+    _, _, loss = _chunk_cross_entropy(rows, chunk_labels, kernel, bias, precision)
+    return total + _weighted_sum(loss, chunk_weights), None
+
+  chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
+  total, _ = jax.lax.scan(chunk_sum, jnp.float32(0), chunks)
+  return total
+
+
+def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, precision):
+  def chunk_step(carry, chunk_of):
+    total, kernel_grad, bias_grad = carry
+    rows, chunk_labels, chunk_weights = chunk_of
+    logits, log_norm, loss = _chunk_cross_entropy(rows, chunk_labels, kernel, bias, precision)
+    total = total + _weighted_sum(loss, chunk_weights)
+    # d(weight * cross-entropy) / d(logits) = weight * (softmax - one_hot), zero where the
+    # weight is (a NaN weight stays NaN).
+    scale = jnp.where(chunk_weights == 0, 0.0, chunk_weights)[:, None]
+    logits_grad = scale * (jnp.exp(logits - log_norm[:, None])
+                           - jax.nn.one_hot(chunk_labels, logits.shape[-1]))
+    bias_grad = bias_grad + jnp.sum(logits_grad, axis=0)
+    logits_grad = logits_grad.astype(kernel.dtype)
+    kernel_grad = kernel_grad + jnp.dot(rows.T, logits_grad, precision=precision,
+                                        preferred_element_type=jnp.float32)
+    rows_grad = jnp.dot(logits_grad, kernel.T, precision=precision).astype(rows.dtype)
+    return (total, kernel_grad, bias_grad), rows_grad
+
+  chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
+  start = (jnp.float32(0), jnp.zeros(kernel.shape, jnp.float32),
+           jnp.zeros(kernel.shape[-1:], jnp.float32))
+  (total, kernel_grad, bias_grad), rows_grad = jax.lax.scan(chunk_step, start, chunks)
+  inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:inputs.shape[0]]
+  # The gradients of a unit cotangent, in each input's dtype; the backward scales them.
+  grads = (inputs_grad, kernel_grad.astype(kernel.dtype),
+           None if bias is None else bias_grad.astype(bias.dtype))
+  return total, (grads, labels, weights)
+
+
+def _linear_cross_entropy_bwd(chunk, precision, residuals, total_grad):
+  grads, labels, weights = residuals
+  scaled = tuple(None if g is None else (total_grad * g).astype(g.dtype) for g in grads)
+  return (*scaled, np.zeros(labels.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)

@@ -25,8 +25,10 @@ given the lengths (:func:`row_attention`: the sum of the squared lengths), chose
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -194,32 +196,61 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
       contiguous=contiguous)
 
 
+@flax.struct.dataclass
+class LinearHead:
+  """The linear layer that made a packed output, ``rows = inputs @ kernel + bias`` in the
+  layer's dtype: a loss can compute the output's rows a few at a time from it
+  (:func:`sebp_jax.losses.masked_causal_lm_loss`'s ``head_chunk``).
+
+  Attributes:
+    inputs: ``[C, D]``, the packed inputs, in the layer's dtype.
+    kernel: ``[D, V]``, in the layer's dtype.
+    bias: ``[V]`` or None.
+    precision: the layer's matmul precision.
+  """
+  inputs: Array
+  kernel: Array
+  bias: Array | None
+  precision: Any = flax.struct.field(pytree_node=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedOutput:
+  """A packed module's output as :func:`remember_packed` keeps it: ``rows [1, C, ...]``, its
+  ``layout``, and the ``head`` that made it where it is a linear layer's (else None)."""
+  rows: Array
+  layout: PackedLayout
+  head: LinearHead | None = None
+
+
 # Per thread, outputs of packed modules scattered back to the batch's shape (weakly: an
 # entry lives as long as its output), each with its packed rows: a loss that finds its input
 # here reads the rows instead.
 _SCATTERED = threading.local()
 
 
-def remember_packed(scattered: Array, packed: Array, layout: PackedLayout) -> Array:
-  """``scattered`` (:func:`scatter_tokens` of ``packed``), remembered with its packed rows so
-  that :func:`packed_rows_of` finds them: a loss reading the rows leaves the scatter dead, and
-  XLA drops the ``[B, L, ...]`` buffer (an LM head's ``[B, L, vocabulary]`` logits)."""
+def remember_packed(scattered: Array, packed: Array, layout: PackedLayout,
+                    head: LinearHead | None = None) -> Array:
+  """``scattered`` (:func:`scatter_tokens` of ``packed``), remembered with its packed rows (and
+  the linear ``head`` that made them, if given) so that :func:`packed_rows_of` finds them: a
+  loss reading the rows leaves the scatter dead, and XLA drops the ``[B, L, ...]`` buffer (an
+  LM head's ``[B, L, vocabulary]`` logits)."""
   if not hasattr(_SCATTERED, "entries"):
     _SCATTERED.entries = {}
   entries = _SCATTERED.entries
   key = id(scattered)
-  entries[key] = (weakref.ref(scattered), packed, layout)
+  entries[key] = (weakref.ref(scattered), PackedOutput(packed, layout, head))
   weakref.finalize(scattered, entries.pop, key, None)
   return scattered
 
 
-def packed_rows_of(scattered: Array) -> tuple[Array, PackedLayout] | None:
-  """``(packed [1, C, ...], layout)`` of an output remembered by :func:`remember_packed` (the
-  very array, in the trace that made it), else None."""
+def packed_rows_of(scattered: Array) -> PackedOutput | None:
+  """The :class:`PackedOutput` of an output remembered by :func:`remember_packed` (the very
+  array, in the trace that made it), else None."""
   entry = getattr(_SCATTERED, "entries", {}).get(id(scattered))
   if entry is None or entry[0]() is not scattered:
     return None
-  return entry[1], entry[2]
+  return entry[1]
 
 
 def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:

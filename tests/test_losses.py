@@ -5,9 +5,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.losses import linear_cross_entropy, masked_causal_lm_loss
 
 
 def _reference(logits, ids, mask):
@@ -131,3 +132,70 @@ def test_capacity_must_be_a_static_positive_int():
   for capacity in (0, 2.5):
     with pytest.raises(ValueError, match="capacity must be a positive Python int"):
       masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+
+
+def _head_reference(inputs, kernel, bias, labels, weights):
+  """float64 numpy: the weighted cross-entropy sum and its gradients (inputs, kernel, bias)."""
+  inputs, kernel = np.asarray(inputs, np.float64), np.asarray(kernel, np.float64)
+  logits = inputs @ kernel + (0.0 if bias is None else np.asarray(bias, np.float64))
+  shifted = logits - logits.max(-1, keepdims=True)
+  probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
+  rows = np.arange(len(labels))
+  loss = -np.log(probs[rows, labels])
+  weights = np.asarray(weights, np.float64)
+  logits_grad = weights[:, None] * (probs - np.eye(kernel.shape[1])[labels])
+  return ((weights * loss).sum(), logits_grad @ kernel.T, inputs.T @ logits_grad,
+          logits_grad.sum(0))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_matches_float64_at_any_chunk(chunk, with_bias):
+  """Chunks that divide the rows, leave a remainder, or exceed them: the value and the three
+  gradients of the unchunked float64 computation; zero-weight rows count for nothing."""
+  rng = np.random.default_rng(chunk)
+  rows, features, vocab = 40, 16, 50
+  inputs = rng.normal(size=(rows, features)).astype(np.float32)
+  kernel = rng.normal(size=(features, vocab)).astype(np.float32) / 4
+  bias = rng.normal(size=vocab).astype(np.float32) if with_bias else None
+  labels = rng.integers(0, vocab, rows).astype(np.int32)
+  weights = (rng.random(rows) < 0.7).astype(np.float32) * rng.uniform(0.5, 2.0, rows)
+  weights = weights.astype(np.float32)
+
+  def total(inputs, kernel, bias):
+    return linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk=chunk)
+
+  with jax.default_matmul_precision("highest"):
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+    value, grads = jax.value_and_grad(total, argnums)(inputs, kernel, bias)
+    plain = jax.jit(total)(inputs, kernel, bias)  # not differentiated: the value only
+  want = _head_reference(inputs, kernel, bias, labels, weights)
+  np.testing.assert_allclose(value, want[0], rtol=1e-5)
+  np.testing.assert_allclose(plain, want[0], rtol=1e-5)
+  for got, expected in zip(grads, want[1:]):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_cross_entropy_nan_weight_poisons_every_gradient_and_keeps_dtypes():
+  rng = np.random.default_rng(3)
+  inputs = jnp.asarray(rng.normal(size=(12, 8)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.normal(size=(8, 30)), jnp.bfloat16)
+  bias = jnp.asarray(rng.normal(size=30), jnp.bfloat16)
+  labels = rng.integers(0, 30, 12).astype(np.int32)
+  weights = np.ones(12, np.float32)
+  grad = jax.grad(lambda *a: linear_cross_entropy(*a, labels, weights, chunk=5), (0, 1, 2))
+  grads = grad(inputs, kernel, bias)
+  assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
+  assert all(jnp.isfinite(g).all() for g in grads)
+  # Against autodiff of the unchunked bf16 head, as flax's Dense and the loss compute it.
+  unchunked = lambda i, k, b: optax.softmax_cross_entropy_with_integer_labels(
+      (i @ k + b).astype(jnp.float32), labels).sum()
+  want = jax.grad(unchunked, (0, 1, 2))(inputs, kernel, bias)
+  for got, expected in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               rtol=0.05, atol=0.05)
+  weights[4] = np.nan
+  value, grads = jax.value_and_grad(
+      lambda *a: linear_cross_entropy(*a, labels, weights, chunk=5), (0, 1, 2))(
+          inputs, kernel, bias)
+  assert np.isnan(value) and all(jnp.isnan(g).any() for g in grads)

@@ -18,7 +18,7 @@ from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLla
                           FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
                           LlamaConfig, MistralConfig, RobertaConfig)
 
-from sebp_jax import token_capacity, use_sebp
+from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
 
 VOCAB, BATCH, LENGTH = 64, 3, 12
@@ -420,6 +420,36 @@ def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
   for loss_mask in (mask, part, more):
     assert_matches_dense(packed_rows(tiny_llama.params, loss_mask),
                          scattered(tiny_llama.params, loss_mask))
+
+
+def test_the_loss_computes_a_packed_heads_rows_in_chunks(tiny_llama, monkeypatch):
+  """With ``head_chunk``, the loss computes the packed LM head's rows a few at a time from its
+  inputs and kernel: the compiled step holds no [C, V] logits, and the value and gradient are
+  the whole rows'; ``"auto"`` chunks only above its size."""
+  rng = np.random.default_rng(25)
+  ids, mask, positions = _decoder_batch(rng, "left")
+  capacity = int(mask.sum()) + 3
+
+  def loss(params, head_chunk):
+    with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla"):
+      logits = tiny_llama(ids, attention_mask=mask, position_ids=positions,
+                          params=params).logits
+    return masked_causal_lm_loss(logits, ids, mask, head_chunk=head_chunk)
+
+  compiled = {chunk: jax.jit(jax.value_and_grad(functools.partial(loss, head_chunk=chunk)))
+              .lower(tiny_llama.params).compile() for chunk in (None, 5)}
+  holds_packed_logits = lambda c: f"[{capacity},{VOCAB}]" in c.as_text()
+  assert holds_packed_logits(compiled[None]) and not holds_packed_logits(compiled[5])
+  whole = compiled[None](tiny_llama.params)
+  assert_matches_dense(compiled[5](tiny_llama.params), whole)
+  assert_matches_dense(jax.value_and_grad(functools.partial(loss, head_chunk="auto"))(
+      tiny_llama.params), whole)
+  monkeypatch.setattr(losses, "HEAD_CHUNK_ABOVE_BYTES", 4 * VOCAB * capacity - 1)
+  monkeypatch.setattr(losses, "HEAD_CHUNK_BYTES", 4 * VOCAB * 8)
+  auto = jax.jit(jax.value_and_grad(functools.partial(loss, head_chunk="auto"))).lower(
+      tiny_llama.params).compile()
+  assert not holds_packed_logits(auto) and f"[8,{VOCAB}]" in auto.as_text()
+  assert_matches_dense(auto(tiny_llama.params), whole)
 
 
 def test_mistral_sliding_window_in_rows_from_a_host_mask(tiny_mistral):
