@@ -141,10 +141,13 @@ SETUPS = {
 }
 
 
-def setup_for(kind: str, tiny: bool) -> Setup:
-  """The benchmark shapes of ``kind``; toy batch shapes with ``tiny``."""
+def setup_for(kind: str, tiny: bool, batch_size: int | None = None) -> Setup:
+  """The benchmark shapes of ``kind``; toy batch shapes with ``tiny``; ``batch_size`` in place
+  of the setup's."""
   setup = SETUPS[kind]
-  return dataclasses.replace(setup, batch_size=4, length=64) if tiny else setup
+  if tiny:
+    setup = dataclasses.replace(setup, batch_size=4, length=64)
+  return dataclasses.replace(setup, batch_size=batch_size) if batch_size else setup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +454,8 @@ def gathering_params(loss_fn, mesh):
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
-        devices: int = 1, fsdp: bool = False, baseline=(), rounds: int = 1):
+        devices: int = 1, fsdp: bool = False, baseline=(), rounds: int = 1,
+        batch_size: int | None = None):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -462,8 +466,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
   ``fsdp``); a record of ``baseline`` (one device, same mode) gives the weak-scaling
-  efficiency, one device's step time over this one's."""
-  setup = setup_for(kind, tiny)
+  efficiency, one device's step time over this one's. ``batch_size``: in place of the
+  setup's (per device)."""
+  setup = setup_for(kind, tiny, batch_size)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
   batch = make_batch(kind, model, setup, seed, shards=devices)
@@ -597,6 +602,41 @@ def print_table(rows) -> None:
           f"{r.get('scaling_efficiency', nan):7.2f}")
 
 
+def best_batches(rows) -> list[dict]:
+  """Per model and mode, the batch size of the most real tokens a second, with that
+  throughput over ``longest_dense_fast_attention``'s best (what a user gets without this
+  library, each at its own best batch). Each batch size is a run of its own: the ratio
+  compares medians of rounds that were not interleaved."""
+  timed = [r for r in rows if "real_tokens_per_s" in r and r["devices"] == 1]
+  best = {}
+  for r in timed:
+    key = (r["model"], r["mode"])
+    if key not in best or r["real_tokens_per_s"] > best[key]["real_tokens_per_s"]:
+      best[key] = r
+  out = []
+  for (kind, mode), r in best.items():
+    baseline = best.get((kind, LONGEST + "dense_fast_attention"))
+    out.append({"model": kind, "mode": mode, "batch_size": r["batch_size"],
+                "batch_sizes": sorted({t["batch_size"] for t in timed
+                                       if (t["model"], t["mode"]) == (kind, mode)}),
+                "real_tokens_per_s": r["real_tokens_per_s"],
+                "real_token_mfu": r.get("real_token_mfu"),
+                "throughput_vs_longest_fast_attention": None if baseline is None
+                else r["real_tokens_per_s"] / baseline["real_tokens_per_s"]})
+  return out
+
+
+def print_best_batches(best) -> None:
+  print(f"{'model':14} {'mode':28} {'best batch':>10} {'real tok/s':>11} {'MFU':>5} "
+        f"{'vs longest+fast attn':>20}")
+  for b in best:
+    ratio = b["throughput_vs_longest_fast_attention"]
+    mfu = b["real_token_mfu"]
+    print(f"{b['model']:14} {b['mode']:28} {b['batch_size']:10d} "
+          f"{b['real_tokens_per_s']:11.0f} {'' if mfu is None else f'{mfu:5.2f}':>5} "
+          f"{'' if ratio is None else f'{ratio:.2f}x':>20}")
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
                                    description=__doc__.split("\n\n")[0],
@@ -621,6 +661,10 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--fsdp", action="store_true",
                       help="on several devices, split the weight matrices over them too (gathered "
                            "whole at the step's start)")
+  parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
+                      help="comma list of batch sizes (per device), each a run of its own in "
+                           "place of the setup's; prints each mode's best batch, by real "
+                           "tokens a second")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
@@ -628,13 +672,17 @@ def main(argv=None) -> list[dict]:
     parser.error("--repeats and --rounds must be positive")
   rows = []
   for kind in args.model or sorted(SETUPS):
-    one_device = []
-    for devices in args.devices:
-      runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
-                 devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds)
-      one_device = runs if devices == 1 else one_device
-      rows += runs
+    for batch_size in args.batch_sizes or [None]:
+      one_device = []
+      for devices in args.devices:
+        runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
+                   devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds,
+                   batch_size=batch_size)
+        one_device = runs if devices == 1 else one_device
+        rows += runs
   print_table(rows)
+  if args.batch_sizes and len(args.batch_sizes) > 1:
+    print_best_batches(best_batches(rows))
   return rows
 
 

@@ -178,6 +178,27 @@ def test_a_mode_out_of_memory_is_recorded_and_the_others_run(tmp_path, monkeypat
   assert "out of memory" in capsys.readouterr().out
 
 
+def test_batch_sizes_give_each_modes_best_batch(capsys):
+  """--batch-sizes runs each batch size; each mode's best batch is the one of the most real
+  tokens a second, its throughput against the fast-attention baseline's own best."""
+  rows = model.main(["--tiny", "--model", "bert", "--modes",
+                     "longest_dense_fast_attention,sebp_packed", "--batch-sizes", "2,4",
+                     "--repeats", "1", "--rounds", "1"])
+  assert sorted((r["batch_size"], r["mode"]) for r in rows) == [
+      (2, "longest_dense_fast_attention"), (2, "sebp_packed"),
+      (4, "longest_dense_fast_attention"), (4, "sebp_packed")]
+  best = {b["mode"]: b for b in model.best_batches(rows)}
+  for mode, b in best.items():
+    mine = [r for r in rows if r["mode"] == mode]
+    assert b["real_tokens_per_s"] == max(r["real_tokens_per_s"] for r in mine)
+    assert b["batch_sizes"] == [2, 4]
+  assert best["longest_dense_fast_attention"]["throughput_vs_longest_fast_attention"] == 1.0
+  assert best["sebp_packed"]["throughput_vs_longest_fast_attention"] == pytest.approx(
+      best["sebp_packed"]["real_tokens_per_s"]
+      / best["longest_dense_fast_attention"]["real_tokens_per_s"])
+  assert "best batch" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_nnx_rows_beside_the_linen_ones():
   rows = model.main(["--tiny", "--model", "llama", "--model", "llama_nnx", "--modes",
