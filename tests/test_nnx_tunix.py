@@ -229,7 +229,9 @@ def test_another_thread_runs_the_models_own_attention():
   got = {}
 
   def hold_the_context():
-    with sebp_nnx.use_packed_attention(model, packed.layout, "rows"):
+    # Config contexts are per thread: this one's matmuls as the test's (float32 on GPUs).
+    with jax.default_matmul_precision("highest"), sebp_nnx.use_packed_attention(
+        model, packed.layout, "rows"):
       entered.set()
       done.wait(60)
       got["packed"] = packed.unpack(model(packed.input_ids, packed.positions, None, None)[0])
