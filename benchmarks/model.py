@@ -23,10 +23,10 @@ Modes:
                  GPUs; XLA elsewhere): what a user gets without this library
   sebp_packed    ``use_sebp(packed=True)``: the encoder / decoder stack and the LM head on the
                  real tokens only (capacity: ``token_capacity``, real tokens rounded up to
-                 128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``),
-                 a large LM head's logits computed in chunks of rows (``head_chunk="auto"``)
-  sebp_packed_whole_head  sebp_packed with the packed head's ``[C, V]`` logits made whole
-                 (``head_chunk=None``)
+                 128), the loss's log-softmax on real rows (``masked_causal_lm_loss(capacity=)``;
+                 ``head_chunk="auto"``: the head's ``[C, V]`` logits whole unless very large)
+  sebp_packed_chunked_head  sebp_packed with the head's logits computed in chunks of rows
+                 whatever their size (``head_chunk=head_chunk_rows(V)``)
   sebp_layer     fixed padding, SEBP with per-layer selection (top_n = real tokens of the batch,
                  ``overflow="drop"``: the paper's rule)
   sebp_layer_auto  per-layer selection, ``top_n="auto"``: each layer branches at run time
@@ -89,7 +89,7 @@ from benchmarks.harness import (append_json_lines, median_ms, parse_positive_int
 from sebp_jax import model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
-from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.losses import head_chunk_rows, masked_causal_lm_loss
 from sebp_jax.packing import fused_attention_implementation, token_capacity
 from sebp_jax.sharding import collective_bytes, collective_counts, shard_row_counts
 
@@ -98,12 +98,12 @@ LONGEST = "longest_"
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
-         "sebp_packed_whole_head",
+         "sebp_packed_chunked_head",
          *(LONGEST + m for m in ("dense", "dense_fast_attention", "sebp_shared", "sebp_packed")))
 #: Modes that need a language-model head.
-LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head", "sebp_packed_whole_head")
+LM_HEAD_MODES = ("sebp_lm_head", "bound_lm_head", "sebp_packed_chunked_head")
 #: Modes that pack the batch's real tokens.
-PACKED_MODES = ("sebp_packed", "sebp_packed_whole_head")
+PACKED_MODES = ("sebp_packed", "sebp_packed_chunked_head")
 #: The modes of the NNX model.
 NNX_MODES = ("dense", "sebp_layer", "sebp_layer_auto", "sebp_shared", "sebp_exact", "sebp_auto",
              "sebp_auto_host", "sebp_floor", "bound", "sebp_packed")
@@ -373,7 +373,8 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     return masked_causal_lm_loss(
         logits, batch["input_ids"], batch["attention_mask"],
         capacity=capacity if mode in PACKED_MODES else None,
-        head_chunk=None if mode == "sebp_packed_whole_head" else "auto")
+        head_chunk=(head_chunk_rows(model.config.vocab_size)
+                    if mode == "sebp_packed_chunked_head" else "auto"))
   return loss_fn
 
 

@@ -15,7 +15,7 @@ from sebp_jax.packing import LinearHead, packed_rows_of
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
 #: are computed in chunks of rows, each at most :data:`HEAD_CHUNK_BYTES`.
-HEAD_CHUNK_ABOVE_BYTES = 1 << 30
+HEAD_CHUNK_ABOVE_BYTES = 1 << 33
 HEAD_CHUNK_BYTES = 1 << 28
 
 
@@ -113,10 +113,14 @@ def _head_chunk(head_chunk, head: LinearHead | None, num_rows: int, vocab: int) 
   if head_chunk is None or head is None:
     return None
   if head_chunk == "auto":
-    if num_rows * vocab * 4 <= HEAD_CHUNK_ABOVE_BYTES:
-      return None
-    return max(8, HEAD_CHUNK_BYTES // (4 * vocab) // 8 * 8)
+    return None if num_rows * vocab * 4 <= HEAD_CHUNK_ABOVE_BYTES else head_chunk_rows(vocab)
   return validate_top_n(head_chunk, "head_chunk")
+
+
+def head_chunk_rows(vocab: int) -> int:
+  """Rows per chunk of ``head_chunk="auto"``: at most :data:`HEAD_CHUNK_BYTES` of float32
+  logits, a multiple of 8."""
+  return max(8, HEAD_CHUNK_BYTES // (4 * vocab) // 8 * 8)
 
 
 def _weighted_sum(token_loss: jax.Array, weights: jax.Array) -> jax.Array:

@@ -52,7 +52,7 @@ def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
   want_loss, want = dense(net.params, batch)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
   for mode in ("dense_fast_attention", "sebp_packed", "sebp_auto", "sebp_auto_host",
-               "sebp_exact", *(("sebp_packed_whole_head",) if setup.has_lm_head else ())):
+               "sebp_exact", *(("sebp_packed_chunked_head",) if setup.has_lm_head else ())):
     loss_fn = model.make_loss(kind, net, mode, top_n, "auto",
                               capacity=token_capacity(batch["attention_mask"], 16),
                               host_mask=batch["attention_mask"])
