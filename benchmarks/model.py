@@ -14,7 +14,8 @@ of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gather
 at its start): every device gets the setup's
 batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
 tokens, and each record carries the compiled step's collectives and its weak-scaling
-efficiency (one device's step time over this one's). Packing is left out there.
+efficiency (one device's step time over this one's). Packing packs each device's rows on
+that device (``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity).
 
 Modes:
   dense          fixed padding, dense backward
@@ -342,6 +343,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
   split over devices."""
   mode = mode.removeprefix(LONGEST)
   sharding = sharding or {}
+  num_shards = sharding["mesh"].size if sharding else 1
   if SETUPS[kind].nnx:
     return make_nnx_loss(model, mode, top_n, backend, host_mask, sharding, capacity)
 
@@ -351,7 +353,8 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     if options is not None:
       return use_sebp(**options)
     if mode in PACKED_MODES:
-      return use_sebp(top_n=capacity, backend=backend, active_mask=mask, packed=True)
+      return use_sebp(top_n=capacity, backend=backend, active_mask=mask, packed=True,
+                      **sharding)
     if mode == "dense_fast_attention":
       return length_aware_attention(jnp.sum(mask, axis=1, dtype=jnp.int32))
     if mode in ("bound", "bound_lm_head"):
@@ -372,7 +375,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
           logits.astype(jnp.float32), batch["labels"]).mean()
     return masked_causal_lm_loss(
         logits, batch["input_ids"], batch["attention_mask"],
-        capacity=capacity if mode in PACKED_MODES else None,
+        capacity=capacity * num_shards if mode in PACKED_MODES else None,
         head_chunk=(head_chunk_rows(model.config.vocab_size)
                     if mode == "sebp_packed_chunked_head" else "auto"))
   return loss_fn
@@ -399,8 +402,11 @@ def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mas
       context = contextlib.nullcontext()
     packed = capacity if mode == "sebp_packed" else None
     with context:
-      logits = tunix_logits(module, batch["input_ids"], mask, capacity=packed)
-    return masked_causal_lm_loss(logits, batch["input_ids"], mask, capacity=packed)
+      logits = tunix_logits(module, batch["input_ids"], mask, capacity=packed,
+                            **(sharding if packed else {}))
+    num_shards = sharding["mesh"].size if sharding else 1
+    return masked_causal_lm_loss(logits, batch["input_ids"], mask,
+                                 capacity=packed and packed * num_shards)
   return loss_fn
 
 
@@ -410,8 +416,10 @@ def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: 
   row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch."""
   host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
   mask = host_batch["attention_mask"]
-  return host_batch, make_loss(kind, model, mode, top_n, backend, token_capacity(mask),
-                               host_mask=mask, sharding=sharding)
+  num_shards = sharding["mesh"].size if sharding else 1
+  return host_batch, make_loss(kind, model, mode, top_n, backend,
+                               token_capacity(mask, num_shards=num_shards), host_mask=mask,
+                               sharding=sharding)
 
 
 def peak_bytes(compiled) -> int | None:
@@ -482,8 +490,6 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     sharding = dict(batch_axes="data", mesh=mesh)
     params = jax.device_put(params, param_shardings(params, mesh, fsdp))
     put_batch = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
-    # Packing runs on one device's batch; sharded batches select per shard instead.
-    modes = [m for m in modes if m.removeprefix(LONGEST) not in PACKED_MODES]
   opt_state = jax.jit(optimizer.init)(params)
   if mesh is not None:
     # The optimizer's step count, made on one device, replicated like the params.

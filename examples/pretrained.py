@@ -377,15 +377,16 @@ def tunix_llama3():
 
 
 def tunix_logits(model, input_ids, attention_mask, capacity: int | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", batch_axes=None, mesh=None):
   """Logits ``[B, L, V]`` of a Tunix ``Llama3`` on padded ids: causal attention over the real
   tokens (``attention_mask``), each at its position among them, as transformers' Llama. With
   ``capacity``, the model runs on the real tokens only, packed into that many slots
-  (:func:`sebp_jax.pack_decoder_inputs`), its attention per sequence
-  (:class:`sebp_jax.nnx.use_packed_attention` with ``attention``), and the logits come back
-  zero at padding."""
+  (:func:`sebp_jax.pack_decoder_inputs`; per shard of a batch split over ``batch_axes``),
+  its attention per sequence (:class:`sebp_jax.nnx.use_packed_attention` with
+  ``attention``), and the logits come back zero at padding."""
   if capacity is not None:
-    packed = pack_decoder_inputs(input_ids, attention_mask, capacity)
+    packed = pack_decoder_inputs(input_ids, attention_mask, capacity, batch_axes=batch_axes,
+                                 mesh=mesh)
     with use_packed_attention(model, packed.layout, attention):
       logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
     return packed.unpack(logits)

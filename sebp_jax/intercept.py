@@ -25,7 +25,6 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sebp_jax import model_families
 from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
@@ -38,6 +37,7 @@ from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pa
                               token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask
+from sebp_jax.sharding import map_row_shards, shard_row_counts
 
 logger = logging.getLogger("sebp_jax")
 
@@ -142,7 +142,10 @@ class use_sebp(SEBPContext):
       does not have (:mod:`sebp_jax.sharding`), and ``top_n`` counts per shard: an int is
       each shard's capacity, a fraction is of each shard's rows, ``"auto"`` takes the rung
       that holds the fullest shard's real tokens (from a concrete mask), or each shard its
-      own at run time. Not with ``packed``.
+      own at run time. With ``packed``, each shard packs its own rows into ``top_n`` slots
+      of its own (:func:`sebp_jax.token_capacity` with ``num_shards``), and its attention,
+      gathers and scatters run on its device (``jax.shard_map``): the step's collectives
+      are the dense step's.
     mesh: the mesh of ``batch_axes``; None: the one entered with ``jax.set_mesh``.
     require_swaps: raise when the context ends without having swapped any layer, with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
@@ -222,30 +225,36 @@ class use_sebp(SEBPContext):
                        if not self.layers_seen else "")
 
   def share_mask_index(self) -> None:
-    """The shared index of ``active_mask``; with ``packed``, the packed layout too."""
+    """The shared index of ``active_mask``; with ``packed``, the packed layout too: per
+    shard where the batch is split over devices (each packs its own rows, ``top_n`` slots
+    each)."""
     if not self.packed:
       super().share_mask_index()
       return
-    if self.sharding_of(self.active_mask, jnp.ndim(self.active_mask)) is not None:
-      raise ValueError(
-          "use_sebp(packed=True) packs the whole batch into one sequence, and this batch is "
-          "split over devices: packing runs on one device's batch only. Leave packed off "
-          "(each shard then selects its own rows), or pack inside jax.shard_map.")
-    top_n = resolve_top_n(self.top_n, math.prod(jnp.shape(self.active_mask)))
+    sharding = self.sharding_of(self.active_mask, jnp.ndim(self.active_mask))
+    num_shards = sharding.num_shards if sharding else 1
+    top_n = resolve_top_n(self.top_n, math.prod(jnp.shape(self.active_mask)) // num_shards)
     concrete = not isinstance(self.active_mask, jax.core.Tracer)
     if concrete and (top_n == "auto" or (
-        self.overflow == "exact" and np.count_nonzero(np.asarray(self.active_mask)) > top_n)):
-      top_n = token_capacity(self.active_mask)
+        self.overflow == "exact"
+        and shard_row_counts(self.active_mask, num_shards).max() > top_n)):
+      top_n = token_capacity(self.active_mask, num_shards=num_shards)
     elif top_n == "auto":
       raise ValueError(
           "use_sebp(packed=True) packs into a static capacity, and active_mask is traced: "
           "pick it on the host, top_n=sebp_jax.token_capacity(mask), and pass it as a static "
           "argument of the jitted function")
     # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
-    self._layout = pack_layout(self.active_mask, validate_top_n(top_n))
+    self._layout = pack_layout(self.active_mask, validate_top_n(top_n), sharding)
     self.report.capacity = top_n
-    self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
+    if sharding is None:
+      self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
+    else:
+      (self._shared_rows,), () = map_row_shards(
+          lambda rows, whole: ((active_rows_from_mask(rows[0], top_n),), ()), sharding,
+          rows=(jnp.asarray(self.active_mask),), whole=(), sums_like=())
     self._shared_top_n = top_n
+    self._mask_sharding = sharding
 
   def skip_reason(self, module: nn.Module) -> str | None:
     """Why this context leaves ``module`` (a bound ``nn.Dense`` or ``nn.Embed``, as its
@@ -303,8 +312,10 @@ class use_sebp(SEBPContext):
         packed = next_fun(hidden)
         # A loss may read the packed rows, or compute them a few at a time from the head
         # (masked_causal_lm_loss does): the [B, L, V] logits are then never made.
+        # A head split over devices is read whole: chunks would cross the shards.
+        head = linear_head(module, hidden[0]) if self._layout.shards is None else None
         return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
-                               linear_head(module, hidden[0]))
+                               head)
     return _NOT_PACKED
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:

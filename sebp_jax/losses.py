@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from sebp_jax.ops import validate_top_n
-from sebp_jax.packing import LinearHead, packed_rows_of
+from sebp_jax.packing import LinearHead, gather_tokens, invalid_slots, packed_rows_of
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
 #: are computed in chunks of rows, each at most :data:`HEAD_CHUNK_BYTES`.
@@ -58,12 +58,11 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   batch, length, vocab = logits.shape
   # Targets and weights on all L positions (the last one weighs 0), so that the logits are
   # read in place rather than copied without their last column.
-  labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1))).reshape(-1)
+  labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
   # A prediction counts when both its position and its target are real tokens: with left
   # padding or holes, a padding position before a real token predicts nothing.
   real = attention_mask != 0
-  weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).reshape(-1)
-  weights = weights.astype(jnp.float32)
+  weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
   num_targets = jnp.sum(weights)
   poison = jnp.float32(0)
   if capacity is not None:
@@ -72,20 +71,21 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   packed = packed_rows_of(logits)
   head = None
   if packed is not None:
+    layout = packed.layout
     rows, head = packed.rows[0], packed.head
-    positions = packed.layout.token_rows  # filler out of range: label 0, weight 0
-    # The batch overflowed the packing capacity: the scattered logits would be NaN.
-    poison = poison + jnp.where(packed.layout.invalid, jnp.nan, 0.0)
-  elif capacity is not None:
-    # Unused slots read row R (out of range): zero logits, label 0, weight 0.
-    (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
-    rows = jnp.take(logits.reshape(batch * length, vocab), positions, axis=0, mode="fill",
-                    fill_value=0, indices_are_sorted=True)
+    # Each packed row's label and weight (filler: label 0, weight 0), NaN where the batch
+    # (a shard of it) overflowed the packing capacity: the scattered logits would be NaN.
+    labels, weights = (gather_tokens(a, layout)[0] for a in (labels, weights))
+    poison = poison + invalid_slots(layout)
   else:
-    positions, rows = None, logits.reshape(batch * length, vocab)
-  if positions is not None:
-    take = lambda a: jnp.take(a, positions, mode="fill", fill_value=0, indices_are_sorted=True)
-    labels, weights = take(labels), take(weights)
+    labels, weights = labels.reshape(-1), weights.reshape(-1)
+    rows = logits.reshape(batch * length, vocab)
+    if capacity is not None:
+      # Unused slots read row R (out of range): zero logits, label 0, weight 0.
+      (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
+      take = lambda a: jnp.take(a, positions, axis=0, mode="fill", fill_value=0,
+                                indices_are_sorted=True)
+      rows, labels, weights = take(rows), take(labels), take(weights)
   weights = weights + poison  # NaN: the loss and every gradient behind it
   # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
   # class 0 with its zero weight; at a real target it weighs NaN.

@@ -26,18 +26,21 @@ given the lengths (:func:`row_attention`: the sum of the squared lengths), chose
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sebp_jax.selection import active_rows_from_mask
-from sebp_jax.sharding import shard_row_counts
+from sebp_jax.sharding import (RowSharding, _as_rows, normalize_batch_axes, row_sharding,
+                               shard_row_counts)
 
 Array = jax.Array
 
@@ -63,6 +66,11 @@ class PackedLayout:
     contiguous: whether each row's real tokens are known to sit side by side (no holes:
       right or left padding), so that a distance in ranks is one in columns; False where
       the mask is traced or has holes.
+    shards: None for one packed sequence; for a batch split over devices, how it is split
+      (its first dimension): each shard packs its own rows into ``C / shards`` slots, the
+      per-slot fields hold each shard's layout of its block (indices within the block), one
+      block after another, ``num_tokens`` and ``invalid`` one entry per shard, and every
+      operation on the layout runs per shard (:func:`map_shards`).
   """
   batch_shape: tuple[int, int] = flax.struct.field(pytree_node=False)
   token_rows: Array
@@ -75,9 +83,11 @@ class PackedLayout:
   row_lengths: Array
   row_width: int = flax.struct.field(pytree_node=False)
   contiguous: bool = flax.struct.field(pytree_node=False)
+  shards: RowSharding | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def capacity(self) -> int:
+    """Slots of the packed sequence, of all shards together."""
     return self.token_rows.shape[0]
 
   @property
@@ -146,26 +156,31 @@ def token_budget_batches(lengths, token_budget: int, max_rows: int) -> list[list
   return batches
 
 
-def pack_layout(mask: Array, capacity: int) -> PackedLayout:
+def pack_layout(mask: Array, capacity: int,
+                sharding: RowSharding | None = None) -> PackedLayout:
   """The packed layout of the non-zero entries of ``mask: [B, L]`` in ``capacity`` slots.
 
   Any mask works (right or left padding, holes): tokens keep their row and column, and attention
   follows them. A concrete mask with more than ``capacity`` real tokens raises ValueError.
+  With ``sharding`` (the batch split over devices along its first dimension), each shard
+  packs its own block of rows into ``capacity`` slots of its own, on its device.
   """
   if jnp.ndim(mask) != 2:
     raise ValueError(f"active_mask for packing must be [batch, length], got shape "
                      f"{jnp.shape(mask)}")
   batch, length = jnp.shape(mask)
+  num_shards = 1 if sharding is None else sharding.num_shards
   # Rows of row_attention: as long as a row can be (no longer than the capacity), even for
   # cuDNN's backward.
   row_width, contiguous = min(length, capacity), False
   if not isinstance(mask, jax.core.Tracer):
     host = np.asarray(mask) != 0
-    num_tokens = int(np.count_nonzero(host))
+    num_tokens = int(shard_row_counts(host, num_shards).max())
     if num_tokens > capacity:
+      where = "a shard of active_mask" if num_shards > 1 else "active_mask"
       raise ValueError(
           f"packing capacity {capacity} (from top_n) is smaller than the {num_tokens} real "
-          f"tokens of active_mask [{batch}, {length}]: give a top_n of at least {num_tokens}.")
+          f"tokens of {where} [{batch}, {length}]: give a top_n of at least {num_tokens}.")
     lengths = host.sum(axis=1)
     row_width = int(max(lengths.max(initial=0), 1))
     # No holes: the real tokens of each row span as many columns as they are.
@@ -173,6 +188,22 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
                      - host.argmax(axis=1), 0)
     contiguous = bool(np.all(spans == lengths))
   row_width += row_width % 2
+  if sharding is None:
+    return _pack_block(mask, capacity, row_width, contiguous)
+
+  def block(local_mask):
+    return _shard_leaves(_pack_block(local_mask, capacity, row_width, contiguous))
+
+  leaves = jax.shard_map(block, mesh=sharding.mesh, in_specs=P(sharding.axes),
+                         out_specs=P(sharding.axes), axis_names=frozenset(sharding.axes),
+                         check_vma=False)(_as_rows(sharding, jnp.asarray(mask)))
+  return PackedLayout(batch_shape=(batch, length), **leaves, row_width=row_width,
+                      contiguous=contiguous, shards=sharding)
+
+
+def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) -> PackedLayout:
+  """:func:`pack_layout` of one device's mask, its static fields given."""
+  batch, length = jnp.shape(mask)
   flat = jnp.reshape(mask, (-1,)) != 0
   num_rows = flat.shape[0]
   slots = jnp.arange(capacity, dtype=jnp.int32)
@@ -194,6 +225,53 @@ def pack_layout(mask: Array, capacity: int) -> PackedLayout:
       row_lengths=jnp.sum(grid, axis=1, dtype=jnp.int32),
       row_width=row_width,
       contiguous=contiguous)
+
+
+#: The fields of a :class:`PackedLayout` that hold one value per shard (per-slot and per-row
+#: fields hold a block per shard).
+_PER_SHARD = ("num_tokens", "invalid")
+
+
+def _shard_leaves(layout: PackedLayout) -> dict[str, Array]:
+  """One shard's layout as the arrays its block of a sharded layout holds."""
+  return {field.name: jnp.reshape(getattr(layout, field.name), (-1,))
+          if field.name in _PER_SHARD else getattr(layout, field.name)
+          for field in dataclasses.fields(layout) if field.metadata.get("pytree_node", True)}
+
+
+def _block_layout(layout: PackedLayout, leaves: dict[str, Array]) -> PackedLayout:
+  """The layout of one shard inside :func:`map_shards`, from its blocks of ``layout``."""
+  batch, length = layout.batch_shape
+  fields = {name: value[0] if name in _PER_SHARD else value for name, value in leaves.items()}
+  return PackedLayout(batch_shape=(batch // layout.shards.num_shards, length), **fields,
+                      row_width=layout.row_width, contiguous=layout.contiguous)
+
+
+#: How :func:`map_shards` splits an array: ``"rows"``, along its first dimension (``[B, L,
+#: ...]``, the batch); ``"packed"``, along its second (``[1, C, ...]``, the packed tokens).
+_SPLIT_DIM = {"rows": 0, "packed": 1}
+
+
+def map_shards(fn: Callable, layout: PackedLayout, arrays: tuple, splits: tuple[str, ...],
+               out_splits: Any) -> Any:
+  """``fn(block_layout, *blocks)`` on each shard of a sharded ``layout``, on its device: each
+  array split as ``splits`` says (see :data:`_SPLIT_DIM`), the outputs joined as
+  ``out_splits`` says (a pytree prefix of the outputs, of split names). No collective: every
+  shard's tokens stay on its device."""
+  sharding = layout.shards
+  axes = sharding.axes
+  spec = lambda split: P(*(None,) * _SPLIT_DIM[split], axes)
+
+  def body(leaves, *blocks):
+    return fn(_block_layout(layout, leaves), *blocks)
+
+  leaves = _shard_leaves(layout)
+  in_specs = ({name: P(axes) for name in leaves}, *(spec(split) for split in splits))
+  out_specs = jax.tree.map(spec, out_splits)
+  arrays = tuple(_as_rows(sharding, a) if split == "rows" else a
+                 for split, a in zip(splits, arrays))
+  return jax.shard_map(body, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=frozenset(axes), check_vma=False)(leaves, *arrays)
 
 
 @flax.struct.dataclass
@@ -263,14 +341,19 @@ def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
   if jnp.shape(attention_mask) != layout.batch_shape:
     raise ValueError(f"the model's attention_mask has shape {jnp.shape(attention_mask)}, "
                      f"use_sebp's active_mask {layout.batch_shape}: packing needs the same mask")
-  differs = jnp.any((jnp.asarray(attention_mask) != 0) != layout.mask)
-  if not isinstance(differs, jax.core.Tracer):
-    if differs:
+  concrete = not any(isinstance(a, jax.core.Tracer) for a in (attention_mask, layout.mask))
+  if concrete:
+    if np.any((np.asarray(attention_mask) != 0) != np.asarray(layout.mask)):
       raise ValueError("the model's attention_mask differs from use_sebp's active_mask: "
                        "packing attends over the tokens of active_mask, so pass the model's "
                        "attention mask as active_mask")
     return layout
-  return layout.replace(invalid=layout.invalid | differs)
+  differs = lambda block, given: block.invalid | jnp.any((given != 0) != block.mask)
+  if layout.shards is None:
+    return layout.replace(invalid=differs(layout, jnp.asarray(attention_mask)))
+  invalid = map_shards(lambda block, given: differs(block, given)[None], layout,
+                       (jnp.asarray(attention_mask),), ("rows",), "rows")
+  return layout.replace(invalid=invalid)
 
 
 def gather_tokens(x: Array, layout: PackedLayout) -> Array:
@@ -279,6 +362,9 @@ def gather_tokens(x: Array, layout: PackedLayout) -> Array:
   if x.shape[:2] != (batch, length):
     raise ValueError(f"packing expected an array of the leading shape {(batch, length)} of "
                      f"active_mask, got {x.shape}")
+  if layout.shards is not None:
+    return map_shards(lambda block, x: gather_tokens(x, block), layout, (x,), ("rows",),
+                      "packed")
   packed = jnp.take(x.reshape(batch * length, *x.shape[2:]), layout.token_rows, axis=0,
                     mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True)
   return packed[None]
@@ -287,7 +373,10 @@ def gather_tokens(x: Array, layout: PackedLayout) -> Array:
 def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   """``packed: [1, C, ...]`` -> ``[B, L, ...]``, zeros at padding; all NaN (inexact dtypes),
   and so every gradient behind it, when the layout is ``invalid`` (the batch overflowed
-  ``C``): no token is dropped silently."""
+  ``C``; sharded, the shard that overflowed): no token is dropped silently."""
+  if layout.shards is not None:
+    return map_shards(lambda block, packed: scatter_tokens(packed, block), layout, (packed,),
+                      ("packed",), "rows")
   batch, length = layout.batch_shape
   values = packed[0]
   fill = 0
@@ -302,15 +391,32 @@ def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   return out.reshape(batch, length, *values.shape[1:])
 
 
+def invalid_slots(layout: PackedLayout) -> Array:
+  """``float32[C]``: NaN at the slots of a layout (or, sharded, a shard) that overflowed its
+  capacity or was given another mask (``invalid``), else 0; added to what is read at the
+  slots, so that it turns NaN, and every gradient behind it."""
+  if layout.shards is not None:
+    return map_shards(lambda block: invalid_slots(block)[None], layout, (), (),
+                      "packed")[0]
+  return jnp.full((layout.capacity,), jnp.where(layout.invalid, jnp.nan, 0.0), jnp.float32)
+
+
 def attention_mask(layout: PackedLayout, *, causal: bool,
                    window: int | None = None) -> Array:
   """``bool[1, 1, C, C]``: query token i may attend to key token j.
 
   Same row (segment) always; with ``causal`` only ``column_j <= column_i``; with ``window``
   only ``column_j >= column_i - window`` too (sliding-window attention). Filler slots attend
-  to filler only, so no softmax row is empty.
+  to filler only, so no softmax row is empty. Sharded, one mask over every shard's slots,
+  each shard's segments apart from the others' (a model that reads it attends across
+  devices: :func:`packed_attention` does not).
   """
   seg, col = layout.segment_ids, layout.columns
+  if layout.shards is not None:
+    # Segment ids are per shard (0..B/n, filler B/n): each shard's own range.
+    offset = lambda block: (block.segment_ids + jax.lax.axis_index(layout.shards.axes)
+                            * (block.batch_shape[0] + 1))[None]
+    seg = map_shards(offset, layout, (), (), "packed")[0]
   allowed = seg[:, None] == seg[None, :]
   if causal:
     allowed &= col[None, :] <= col[:, None]
@@ -346,8 +452,8 @@ class PackedDecoderInputs:
 
 
 def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
-                        positions: Array | None = None,
-                        window: int | None = None) -> PackedDecoderInputs:
+                        positions: Array | None = None, window: int | None = None,
+                        batch_axes: Any = None, mesh: Any = None) -> PackedDecoderInputs:
   """The real tokens of ``input_ids: [B, L]`` (``mask != 0``) packed into ``capacity`` slots,
   with their positions and a per-row causal attention mask, for a decoder called as
   ``model(input_ids, positions, ..., attention_mask)``.
@@ -361,10 +467,18 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
 
   A decoder's own attention over the packed sequence costs ``C²`` whatever the mask; inside
   :class:`sebp_jax.nnx.use_packed_attention` (Tunix's Llama 3) it runs per sequence.
+
+  ``batch_axes`` / ``mesh``: the batch is split over devices (as ``use_sebp``'s; under an
+  ``Explicit`` mesh the mask's type tells): each shard packs its own rows into ``capacity``
+  slots of its own (:func:`token_capacity` with ``num_shards``), and the packed inputs are
+  ``[1, shards * capacity]``, split along the tokens.
   """
-  layout = pack_layout(mask, capacity)
+  sharding = row_sharding(mask, 2, mesh=mesh,
+                          batch_axes=normalize_batch_axes(batch_axes))
+  layout = pack_layout(mask, capacity, sharding)
   if positions is None:
     real = jnp.asarray(mask) != 0
+    # Along each row, so that a batch split over devices needs no collective.
     positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
   return PackedDecoderInputs(
       layout=layout, input_ids=gather_tokens(jnp.asarray(input_ids), layout),
@@ -498,6 +612,14 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
   if method not in ATTENTION_METHODS:
     raise ValueError(f"method must be one of {ATTENTION_METHODS}, got {method!r}")
   dropout = dropout_rng is not None and dropout_rate > 0.0
+  if layout.shards is not None:
+    if dropout:
+      raise ValueError("packing a batch split over devices has no attention dropout: run "
+                       "the model deterministic, or on one device")
+    attend = functools.partial(packed_attention, causal=causal, window=window,
+                               implementation=implementation, method=method)
+    return map_shards(lambda block, q, k, v: attend(q, k, v, block), layout,
+                      (query, key, value), ("packed",) * 3, "packed")
   if method == "auto":
     method = attention_method(query, layout, window=window, dropout=dropout)
   if method == "rows":

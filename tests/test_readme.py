@@ -71,10 +71,12 @@ def test_the_nnx_snippet_runs_after_the_quick_start_and_is_exact():
 
 
 def test_the_several_gpus_snippet_runs_after_the_quick_start_and_is_exact():
-  """On the test machine's 4 host devices (tests/conftest.py): one device's gradient."""
+  """On the test machine's 4 host devices (tests/conftest.py): one device's gradients, with
+  each device selecting its rows and with each packing them."""
   scope = {}
-  exec(compile(_python_blocks("## Quick start")[0], str(README), "exec"), scope)
+  exec(compile("".join(_python_blocks("## Quick start")), str(README), "exec"), scope)
   (snippet,) = _python_blocks("### Several GPUs: `batch_axes`")
   exec(compile(snippet, str(README), "exec"), scope)
   assert scope["mesh"].size == jax.device_count() > 1
   assert_every_gradient_close(scope["dp_grads"], scope["grads"])
+  assert_every_gradient_close(scope["packed_dp_grads"], scope["bert_grads"], rtol=2e-5)

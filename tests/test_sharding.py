@@ -369,7 +369,6 @@ def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared
 
 
 def test_errors_name_the_argument():
-  mask = _mask()
   x = jnp.ones((BATCH, LENGTH, FEATURES))
   kernel = jnp.ones((FEATURES, 4))
   with pytest.raises(ValueError, match="batch_axes=.*needs a mesh"):
@@ -381,9 +380,6 @@ def test_errors_name_the_argument():
     sebp_linear(x, kernel, batch_axes=3, mesh=mesh)
   with pytest.raises(ValueError, match="give batch_axes too"):
     use_sebp(mesh=mesh)
-  with pytest.raises(ValueError, match=r"packed=True\) packs the whole batch"):
-    with use_sebp(active_mask=mask, packed=True, top_n=128, batch_axes="data", mesh=mesh):
-      pass
   explicit = _mesh(AxisType.Explicit, (2, 2), ("data", "model"))
   with jax.set_mesh(explicit):
     split = jax.device_put(x, NamedSharding(explicit, P("data")))

@@ -1,0 +1,227 @@
+"""Packing a batch split over devices (`use_sebp(packed=True, batch_axes=...)`): each shard
+packs its own rows, the gradient is one device's dense gradient, and the step has the dense
+step's collectives. 4 forced host devices (tests/conftest.py)."""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
+                          LlamaConfig)
+
+from sebp_jax import pack_decoder_inputs, token_capacity, use_sebp
+from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.packing import gather_tokens, pack_layout, packed_attention, scatter_tokens
+from sebp_jax.sharding import collective_counts, row_sharding
+from tests.model_testing import assert_every_gradient_close
+
+CPUS = jax.devices("cpu")
+pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 host devices (tests/conftest.py)")
+VOCAB, BATCH, LENGTH, SHARDS = 64, 8, 12, 4
+
+
+@pytest.fixture(scope="module")
+def models():
+  llama = FlaxLlamaForCausalLM(LlamaConfig(
+      vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64), seed=2)
+  bert = FlaxBertForSequenceClassification(BertConfig(
+      vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+      intermediate_size=32, max_position_embeddings=32), seed=0)
+  return {"llama": llama, "bert": bert}
+
+
+def _mesh(axis_type=AxisType.Auto):
+  return jax.make_mesh((SHARDS,), ("data",), axis_types=(axis_type,), devices=CPUS[:SHARDS])
+
+
+def _batch(seed, layout="right"):
+  """Lengths 2..L, so the shards' real tokens differ; ids, mask and sentence labels."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(2, LENGTH + 1, size=BATCH)
+  mask = (np.arange(LENGTH)[None] < lengths[:, None]).astype(np.int32)
+  if layout == "left":
+    mask = mask[:, ::-1].copy()
+  elif layout == "holes":
+    mask[::2, 1] = 0
+  ids = rng.integers(1, VOCAB, (BATCH, LENGTH)).astype(np.int32) * mask
+  return ids, mask, rng.integers(0, 2, BATCH).astype(np.int32)
+
+
+def _loss(model, kind, capacity=None, sebp=None):
+  """The model's loss; with ``capacity``, packed per shard into that many slots each."""
+  def loss(params, ids, mask, labels):
+    if capacity is None:
+      out = model(ids, attention_mask=mask, params=params).logits
+    else:
+      with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla",
+                    **sebp) as report:
+        out = model(ids, attention_mask=mask, params=params).logits
+      assert report.packed
+    if kind == "llama":
+      return masked_causal_lm_loss(out, ids, mask)
+    return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
+  return loss
+
+
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+@pytest.mark.parametrize("kind,layout", [("bert", "right"), ("llama", "right"),
+                                         ("llama", "left"), ("llama", "holes")])
+def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives(models, kind, layout,
+                                                                      attention):
+  model = models[kind]
+  ids, mask, labels = _batch(3, layout)
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  want = jax.value_and_grad(_loss(model, kind))(model.params, ids, mask, labels)
+  mesh = _mesh()
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(model.params, P()), *(put(a, P("data")) for a in (ids, mask, labels)))
+  sebp = dict(batch_axes="data", mesh=mesh, attention=attention)
+  packed = jax.jit(jax.value_and_grad(_loss(model, kind, capacity, sebp)))
+  got = packed(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
+  dense = jax.jit(jax.value_and_grad(_loss(model, kind)))
+  assert (collective_counts(packed.lower(*args).compile())
+          == collective_counts(dense.lower(*args).compile()))
+
+
+def test_fsdp_with_packing_communicates_as_the_dense_fsdp_step(models):
+  """Weight matrices split over the batch's axis (gathered by XLA where used): the packed
+  step's gradient is one device's, comes back split, and its collectives are the dense FSDP
+  step's, in count and kind."""
+  model = models["llama"]
+  ids, mask, labels = _batch(4)
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  want = jax.grad(_loss(model, "llama"))(model.params, ids, mask, labels)
+  mesh = _mesh()
+  specs = jax.tree.map(lambda a: P("data") if a.ndim == 2 and a.shape[0] % SHARDS == 0
+                       else P(), model.params)
+  shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+  args = (jax.device_put(model.params, shardings),
+          *(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (ids, mask, labels)))
+  step = lambda loss: jax.jit(jax.grad(loss), out_shardings=shardings)
+  packed = step(_loss(model, "llama", capacity, dict(batch_axes="data", mesh=mesh)))
+  got = packed(*args)
+  assert_every_gradient_close(got, want, rtol=2e-5)
+  assert jax.tree.map(lambda g: g.sharding.spec, got) == specs
+  dense_counts = collective_counts(step(_loss(model, "llama")).lower(*args).compile())
+  assert dense_counts.get("all-gather", 0) > 0
+  assert collective_counts(packed.lower(*args).compile()) == dense_counts
+
+
+def test_capacity_counts_per_shard(models):
+  """``top_n`` is each shard's capacity: "auto" (a host mask) takes the fullest shard's,
+  rounded; a concrete mask over it raises naming the shard; a traced one makes the loss and
+  every gradient NaN, even where only one shard overflows."""
+  model = models["llama"]
+  ids, mask, labels = _batch(5)
+  counts = mask.reshape(SHARDS, -1).sum(axis=1)
+  assert len(set(counts)) > 1
+  mesh = _mesh()
+  sebp = dict(batch_axes="data", mesh=mesh)
+  with use_sebp(top_n="auto", active_mask=mask, packed=True, **sebp) as report:
+    model(ids, attention_mask=mask)
+  assert report.capacity == token_capacity(mask, num_shards=SHARDS) == mask.size // SHARDS
+  with pytest.raises(ValueError, match=f"{counts.max()} real tokens of a shard"):
+    with use_sebp(top_n=int(counts.max()) - 1, overflow="nan", active_mask=mask,
+                  packed=True, **sebp):
+      model(ids, attention_mask=mask)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  loss, grads = jax.jit(jax.value_and_grad(_loss(model, "llama", int(counts.max()) - 1, sebp)))(
+      jax.device_put(model.params, NamedSharding(mesh, P())), put(ids), put(mask), put(labels))
+  assert np.isnan(loss)
+  assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
+  """gather, scatter and attention with a sharded layout equal each shard's own packing of
+  its block, under either mesh type (transformers' Flax models do not run on an Explicit mesh
+  with split ids, dense or not: their lookups take no out_sharding)."""
+  ids, mask, _ = _batch(6, "holes")
+  capacity = 32
+  mesh = _mesh(axis_type)
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(BATCH, LENGTH, 8)).astype(np.float32)
+  qkv = [rng.normal(size=(1, SHARDS * capacity, 4, 8)).astype(np.float32) for _ in range(3)]
+
+  def run(x, mask, q, k, v):
+    layout = pack_layout(mask, capacity, row_sharding(mask, 2, batch_axes=("data",)))
+    out = packed_attention(q, k, v, layout, causal=True, method="rows",
+                           implementation="xla")
+    return gather_tokens(x, layout), scatter_tokens(out, layout), out
+
+  with jax.set_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    got = [np.asarray(a) for a in jax.jit(run)(put(x, P("data")), put(mask, P("data")),
+                                               *(put(a, P(None, "data")) for a in qkv))]
+  per = BATCH // SHARDS
+  for shard in range(SHARDS):
+    block = slice(shard * per, (shard + 1) * per)
+    slots = slice(shard * capacity, (shard + 1) * capacity)
+    layout = pack_layout(mask[block], capacity)
+    out = packed_attention(*(a[:, slots] for a in qkv), layout, causal=True, method="rows",
+                           implementation="xla")
+    np.testing.assert_allclose(got[0][:, slots], gather_tokens(x[block], layout), rtol=1e-6)
+    np.testing.assert_allclose(got[1][block], scatter_tokens(out, layout), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(got[2][:, slots], out, rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_decoder_inputs_packed_per_shard():
+  """Tunix's NNX Llama on inputs packed per shard (`pack_decoder_inputs(batch_axes=)`), its
+  attention per sequence on each device: one device's dense gradient, and the dense step's
+  collectives."""
+  from flax import nnx
+
+  from examples.pretrained import tunix_llama3, tunix_logits
+  llama3 = tunix_llama3()
+  config = llama3.ModelConfig(
+      num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+      num_kv_heads=2, rope_theta=10000, norm_eps=1e-5, weight_tying=False,
+      remat_config=llama3.RematConfig.NONE)
+  model = llama3.Llama3(config, rngs=nnx.Rngs(0))
+  state = nnx.state(model, nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(state))))
+  nnx.update(model, jax.tree.map(
+      lambda p: 0.2 * jax.random.normal(next(keys), p.shape, p.dtype), state))
+  graphdef, params = nnx.split(model)
+  ids, mask, _ = _batch(7, "left")
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  mesh = _mesh()
+
+  def loss(params, ids, mask, packed):
+    model = nnx.merge(graphdef, params)
+    sharding = dict(batch_axes="data", mesh=mesh) if packed else {}
+    logits = tunix_logits(model, ids, mask, capacity=capacity if packed else None,
+                          attention="rows", **sharding)
+    return masked_causal_lm_loss(logits, ids, mask)
+
+  want = jax.value_and_grad(loss)(params, ids, mask, False)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(params, P()), put(ids, P("data")), put(mask, P("data")))
+  packed = jax.jit(jax.value_and_grad(functools.partial(loss, packed=True)))
+  got = packed(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
+  dense = jax.jit(jax.value_and_grad(functools.partial(loss, packed=False)))
+  assert (collective_counts(packed.lower(*args).compile())
+          == collective_counts(dense.lower(*args).compile()))
+
+  # The model's own attention over one mask of every shard's slots: each shard's sequences
+  # apart from the others'.
+  @jax.jit
+  def own_attention(params, ids, mask):
+    inputs = pack_decoder_inputs(ids, mask, capacity, batch_axes="data", mesh=mesh)
+    logits, _ = nnx.merge(graphdef, params)(inputs.input_ids, inputs.positions, None,
+                                            inputs.attention_mask)
+    return inputs.unpack(logits)
+
+  real = mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(own_attention(*args))[real],
+                             np.asarray(tunix_logits(model, ids, mask))[real],
+                             rtol=1e-5, atol=1e-5)
