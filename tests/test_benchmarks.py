@@ -135,7 +135,8 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
       [(1, m) for m in modes] + [(2, m) for m in modes])
   assert len(out.read_text().splitlines()) == len(rows)
   for row in rows:
-    assert row["backward_ms"] > 0 and row["step_ms"] > 0
+    # backward = grad - forward, a difference of timings: on a loaded CPU it can be < 0.
+    assert math.isfinite(row["backward_ms"]) and row["step_ms"] > 0
     assert math.isfinite(row["backward_speedup_vs_dense"])
     assert math.isfinite(row["grad_speedup_vs_dense"])
     # Interleaved rounds: the medians of the rounds, the ratios' spread over them.
