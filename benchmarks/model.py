@@ -87,7 +87,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import (append_json_lines, median_ms, parse_positive_ints, parse_subset,
                                 record)
-from sebp_jax import model_families, use_sebp
+from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import head_chunk_rows, masked_causal_lm_loss
@@ -227,6 +227,13 @@ def make_batch(kind: str, model, setup: Setup, seed: int, shards: int = 1) -> di
   if kind == "bert":
     batch["labels"] = rng.integers(0, 2, size=setup.batch_size).astype(np.int32)
   return batch
+
+
+def balanced_batch(batch: dict[str, np.ndarray], shards: int) -> dict[str, np.ndarray]:
+  """``batch`` with its rows reordered so that each of ``shards`` blocks holds about equal
+  real tokens (:func:`sebp_jax.balanced_shard_order`)."""
+  order = balanced_shard_order(batch["attention_mask"].sum(axis=1), shards)
+  return {key: value[order] for key, value in batch.items()}
 
 
 def cut_to_longest(batch: dict[str, np.ndarray], multiple: int = 64) -> dict[str, np.ndarray]:
@@ -464,7 +471,7 @@ def gathering_params(loss_fn, mesh):
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
         devices: int = 1, fsdp: bool = False, baseline=(), rounds: int = 1,
-        batch_size: int | None = None):
+        batch_size: int | None = None, balance: bool = False):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -476,11 +483,14 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
   ``fsdp``); a record of ``baseline`` (one device, same mode) gives the weak-scaling
   efficiency, one device's step time over this one's. ``batch_size``: in place of the
-  setup's (per device)."""
+  setup's (per device). ``balance``: the batch's rows reordered so that the devices hold about
+  equal real tokens (:func:`sebp_jax.balanced_shard_order`)."""
   setup = setup_for(kind, tiny, batch_size)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
   batch = make_batch(kind, model, setup, seed, shards=devices)
+  if balance:
+    batch = balanced_batch(batch, devices)
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
   num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
   optimizer = optax.adamw(1e-5)
@@ -503,7 +513,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size,
                 top_n=top_n, compute_dtype="bfloat16",
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
-                backend=backend, devices=devices, fsdp=fsdp)
+                backend=backend, devices=devices, fsdp=fsdp, balanced=balance)
   prepared, rows = [], []
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend, sharding)
@@ -672,6 +682,9 @@ def main(argv=None) -> list[dict]:
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "
                            "tokens a second")
+  parser.add_argument("--balance", action="store_true",
+                      help="on several devices, reorder the batch's rows so that every device "
+                           "holds about equal real tokens")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
@@ -684,7 +697,7 @@ def main(argv=None) -> list[dict]:
       for devices in args.devices:
         runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
                    devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds,
-                   batch_size=batch_size)
+                   batch_size=batch_size, balance=args.balance)
         one_device = runs if devices == 1 else one_device
         rows += runs
   print_table(rows)

@@ -17,8 +17,8 @@ from sebp_jax.implementations import register_implementation
 from sebp_jax.intercept import SEBPReport, use_sebp
 from sebp_jax.layers import SEBPDense, SEBPEmbed, resolve_top_n
 from sebp_jax.ops import SEBP_CHECKPOINT_NAME, sebp_embed_lookup, sebp_linear
-from sebp_jax.packing import (capacity_buckets, pack_decoder_inputs, token_budget_batches,
-                              token_capacity)
+from sebp_jax.packing import (balanced_shard_order, capacity_buckets, pack_decoder_inputs,
+                              token_budget_batches, token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import (active_rows_from_mask, capacity_ladder, row_scores,
                                 select_active_rows)
@@ -30,6 +30,7 @@ __all__ = [
     "RowLog",
     "SEBP_CHECKPOINT_NAME",
     "active_rows_from_mask",
+    "balanced_shard_order",
     "capacity_buckets",
     "pack_decoder_inputs",
     "capacity_ladder",

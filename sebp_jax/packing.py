@@ -156,6 +156,32 @@ def token_budget_batches(lengths, token_budget: int, max_rows: int) -> list[list
   return batches
 
 
+def balanced_shard_order(lengths, num_shards: int) -> np.ndarray:
+  """An order of a batch's rows (token counts ``lengths``, a multiple of ``num_shards`` of
+  them) whose ``num_shards`` contiguous blocks, one per device of a batch split along its
+  first dimension, hold about equal real tokens: the longest rows first, each to the block
+  with the fewest tokens that has room. Every device packs into the fullest block's
+  capacity, so the others wait on it; in this order it holds at most the longest row more
+  than the least full (``batch[order]`` on the host, before splitting).
+
+  Returns:
+    ``int[B]``, a permutation of the rows, block after block.
+  """
+  lengths = np.asarray(lengths).reshape(-1)
+  if num_shards < 1 or len(lengths) % num_shards:
+    raise ValueError(f"{len(lengths)} rows do not split into num_shards={num_shards} blocks "
+                     "of equal rows")
+  rows_per_shard = len(lengths) // num_shards
+  blocks = [[] for _ in range(num_shards)]
+  tokens = np.zeros(num_shards, dtype=np.int64)
+  for row in np.argsort(-lengths, kind="stable"):
+    open_blocks = [b for b in range(num_shards) if len(blocks[b]) < rows_per_shard]
+    block = min(open_blocks, key=lambda b: (tokens[b], b))
+    blocks[block].append(row)
+    tokens[block] += lengths[row]
+  return np.concatenate([np.asarray(sorted(b), dtype=np.int64) for b in blocks])
+
+
 def pack_layout(mask: Array, capacity: int,
                 sharding: RowSharding | None = None) -> PackedLayout:
   """The packed layout of the non-zero entries of ``mask: [B, L]`` in ``capacity`` slots.

@@ -372,3 +372,22 @@ def test_the_carried_section_lengths_are_those_of_the_data(tmp_path, monkeypatch
   assert json.loads(written) == json.loads(carried)
   lengths = np.asarray(json.loads(written)["lengths"])
   assert 400 < lengths.mean() < 600 and lengths.max() > 2000
+
+
+def test_balance_benchmark_evens_the_fullest_shard():
+  from benchmarks import balance
+  rows = balance.main(["--model", "llama", "--devices", "1,4", "--batches", "20"])
+  one, four = rows
+  assert one["fullest_over_mean_drawn"] == one["fullest_over_mean_balanced"] == 1.0
+  assert 1.0 <= four["fullest_over_mean_balanced"] < four["fullest_over_mean_drawn"]
+  assert four["worst_balanced"] <= four["worst_drawn"]
+
+
+def test_balanced_batch_evens_the_shards_real_tokens():
+  setup = model.setup_for("llama", tiny=True)
+  net = model.build_model("llama", tiny=True, dtype=jnp.float32)
+  batch = model.make_batch("llama", net, setup, seed=4, shards=4)
+  balanced = model.balanced_batch(batch, 4)
+  counts = lambda b: shard_row_counts(b["attention_mask"], 4)
+  assert counts(balanced).max() - counts(balanced).min() <= setup.length
+  assert sorted(map(tuple, balanced["input_ids"])) == sorted(map(tuple, batch["input_ids"]))

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from sebp_jax.packing import (attention_mask, attention_method, capacity_buckets,
+from sebp_jax.packing import (attention_mask, attention_method, balanced_shard_order,
+                              capacity_buckets,
                               fused_attention_implementation, gather_tokens, pack_layout,
                               packed_attention, scatter_tokens, token_budget_batches,
                               token_capacity)
@@ -468,3 +470,21 @@ def test_packed_attention_on_gpu_matches_float32_xla(capacity):
   for got, want in zip(run(jnp.bfloat16, None), run(jnp.float32, "xla")):
     got, want = got[0, real], want[0, real]
     assert np.max(np.abs(got - want)) <= 3e-2 * np.max(np.abs(want))
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_shards=st.integers(1, 6), rows_per_shard=st.integers(1, 6),
+       lengths=st.lists(st.integers(0, 3000), min_size=36, max_size=36))
+def test_balanced_shard_order_evens_the_shards(num_shards, rows_per_shard, lengths):
+  """A permutation, equal rows per block, and the fullest block at most the longest row
+  above the least full."""
+  lengths = np.asarray(lengths[:num_shards * rows_per_shard])
+  order = balanced_shard_order(lengths, num_shards)
+  assert sorted(order.tolist()) == list(range(len(lengths)))
+  tokens = lengths[order].reshape(num_shards, rows_per_shard).sum(axis=1)
+  assert tokens.max() - tokens.min() <= lengths.max()
+
+
+def test_balanced_shard_order_needs_equal_blocks():
+  with pytest.raises(ValueError, match="do not split into num_shards=4"):
+    balanced_shard_order([3, 1, 2], 4)
