@@ -11,7 +11,8 @@ temporaries - aliased).
 
 With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
 of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
-at its start): every device gets the setup's
+at its start, or with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
+layer that uses them): every device gets the setup's
 batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
 tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
@@ -447,7 +448,7 @@ def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
                        devices=jax.devices()[:devices])
 
 
-def param_shardings(params, mesh, fsdp: bool):
+def param_shardings(params, mesh, fsdp: str | None):
   """Replicated params (data parallel), or with ``fsdp`` each matrix split along its first
   dimension over ``"data"`` where the devices divide it."""
   def spec(param):
@@ -470,7 +471,7 @@ def gathering_params(loss_fn, mesh):
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
-        devices: int = 1, fsdp: bool = False, baseline=(), rounds: int = 1,
+        devices: int = 1, fsdp: str | None = None, baseline=(), rounds: int = 1,
         batch_size: int | None = None, balance: bool = False):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
@@ -518,7 +519,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend, sharding)
     mode_batch = put_batch(host_batch)
-    if fsdp and mesh is not None:
+    if fsdp == "start" and mesh is not None:
       loss_fn = gathering_params(loss_fn, mesh)
 
     def step(params, opt_state, batch):
@@ -675,9 +676,11 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--devices", type=parse_positive_ints, default=[1],
                       help="comma list of device counts, each a data-parallel run with the "
                            "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
-  parser.add_argument("--fsdp", action="store_true",
-                      help="on several devices, split the weight matrices over them too (gathered "
-                           "whole at the step's start)")
+  parser.add_argument("--fsdp", nargs="?", const="start", choices=("start", "layer"),
+                      default=None,
+                      help="on several devices, split the weight matrices over them too, "
+                           "gathered whole at the step's start (start, the default) or where "
+                           "XLA places the gathers, layer by layer (layer)")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "

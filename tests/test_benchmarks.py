@@ -391,3 +391,19 @@ def test_balanced_batch_evens_the_shards_real_tokens():
   counts = lambda b: shard_row_counts(b["attention_mask"], 4)
   assert counts(balanced).max() - counts(balanced).min() <= setup.length
   assert sorted(map(tuple, balanced["input_ids"])) == sorted(map(tuple, batch["input_ids"]))
+
+
+@pytest.mark.slow
+def test_fsdp_layer_by_layer_with_packing_has_the_dense_collectives():
+  """--fsdp layer: the weight matrices split, gathered where XLA's partitioner places the
+  gathers (for the dense BERT step it also moves activations between shardings, all-to-alls);
+  the packed step has no collective of any kind more often. (Not in bytes on CPU: SEBP's
+  per-shard partial gradients are summed whole and then split, an all-reduce that XLA's GPU
+  pipeline makes a reduce-scatter; the CPU's keeps it whole.)"""
+  rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_packed", "--devices",
+                     "2", "--fsdp", "layer", "--repeats", "1", "--rounds", "1"])
+  dense, packed = rows
+  assert dense["fsdp"] == packed["fsdp"] == "layer"
+  assert dense["collectives"].get("all-gather", 0) > 0
+  for kind, count in packed["collectives"].items():
+    assert count <= dense["collectives"][kind]
