@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sebp_jax.selection import active_rows_from_mask
-from sebp_jax.sharding import (RowSharding, _as_rows, normalize_batch_axes, row_sharding,
+from sebp_jax.sharding import (RowSharding, normalize_batch_axes, row_sharding,
                                shard_row_counts)
 
 Array = jax.Array
@@ -222,7 +222,7 @@ def pack_layout(mask: Array, capacity: int,
 
   leaves = jax.shard_map(block, mesh=sharding.mesh, in_specs=P(sharding.axes),
                          out_specs=P(sharding.axes), axis_names=frozenset(sharding.axes),
-                         check_vma=False)(_as_rows(sharding, jnp.asarray(mask)))
+                         check_vma=False)(sharding.split_rows(jnp.asarray(mask)))
   return PackedLayout(batch_shape=(batch, length), **leaves, row_width=row_width,
                       contiguous=contiguous, shards=sharding)
 
@@ -294,7 +294,7 @@ def map_shards(fn: Callable, layout: PackedLayout, arrays: tuple, splits: tuple[
   leaves = _shard_leaves(layout)
   in_specs = ({name: P(axes) for name in leaves}, *(spec(split) for split in splits))
   out_specs = jax.tree.map(spec, out_splits)
-  arrays = tuple(_as_rows(sharding, a) if split == "rows" else a
+  arrays = tuple(sharding.split_rows(a) if split == "rows" else a
                  for split, a in zip(splits, arrays))
   return jax.shard_map(body, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs,
                        axis_names=frozenset(axes), check_vma=False)(leaves, *arrays)

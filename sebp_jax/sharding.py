@@ -74,6 +74,14 @@ class RowSharding:
     """The spec of an array of rows: its first dimension split, the others whole."""
     return P(self.axes, *(None,) * (ndim - 1))
 
+  def split_rows(self, array: Array | None) -> Array | None:
+    """``array`` as a ``jax.shard_map`` over these axes takes rows: under ``Explicit`` axes,
+    typed as split along its first dimension only (gathered along others, a sequence axis);
+    under ``Auto`` axes as it is."""
+    if array is None or not self.explicit:
+      return array
+    return jax.sharding.reshard(array, self.rows_spec(jnp.ndim(array)))
+
 
 def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
   """``(mesh, axes)`` of the ``Explicit`` mesh axes that split ``x``'s first dimension
@@ -141,13 +149,6 @@ def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:
   return jax.sharding.reshard(array, P())
 
 
-def _as_rows(sharding: RowSharding, array: Array | None) -> Array | None:
-  # Rows split along other dimensions too (a sequence axis) are gathered along those.
-  if array is None or not sharding.explicit:
-    return array
-  return jax.sharding.reshard(array, sharding.rows_spec(jnp.ndim(array)))
-
-
 def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None, ...],
                    whole: tuple[Array | None, ...], sums_like: tuple[Array | None, ...],
                    sums_dtype: Any = None) -> tuple[tuple, tuple]:
@@ -175,7 +176,7 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
   row_outputs, stacked = jax.shard_map(
       block, mesh=sharding.mesh, in_specs=(split, P()), out_specs=(split, split),
       axis_names=frozenset(sharding.axes), check_vma=False,
-  )(tuple(_as_rows(sharding, r) for r in rows), tuple(_as_replicated(sharding, w) for w in whole))
+  )(tuple(sharding.split_rows(r) for r in rows), tuple(_as_replicated(sharding, w) for w in whole))
   sums = []
   for partial, like in zip(stacked, sums_like):
     if partial is None:
