@@ -52,6 +52,18 @@ _TRACED_REPORTS_LOCK = threading.Lock()
 _UNIQUE = itertools.count()
 
 
+def contents_key(*arrays) -> tuple:
+  """What a program compiled with ``arrays`` as constants depends on, hashable: their shapes,
+  dtypes and contents where all are concrete; where one is traced, a key no other shares."""
+  if any(isinstance(a, jax.core.Tracer) for a in arrays):
+    return ("traced", next(_UNIQUE))
+  host = [np.asarray(a) for a in arrays]
+  digest = hashlib.sha256()
+  for a in host:
+    digest.update(a.tobytes())
+  return (tuple((a.shape, str(a.dtype)) for a in host), digest.hexdigest())
+
+
 #: Every linear layer, less :data:`DEFAULT_EXCLUDE`: in BERT- and Llama-style models that is
 #: the attention projections and MLP layers, the layers the SEBP paper swaps.
 DEFAULT_INCLUDE = r".*"
@@ -236,12 +248,7 @@ class SEBPContext:
     """What of ``active_mask`` a compiled program depends on: its contents when it is
     concrete (its index is then a constant of the program), else nothing shared with another
     context."""
-    if self.active_mask is None:
-      return None
-    if isinstance(self.active_mask, jax.core.Tracer):
-      return ("traced", next(_UNIQUE))
-    mask = np.asarray(self.active_mask)
-    return (mask.shape, str(mask.dtype), hashlib.sha256(mask.tobytes()).hexdigest())
+    return None if self.active_mask is None else contents_key(self.active_mask)
 
   def jit_key(self) -> tuple:
     """Everything a program traced in this context depends on, hashable: the options and
@@ -324,16 +331,21 @@ class SEBPContext:
       overflowed = jnp.count_nonzero(mask) > size
       return rows, jnp.full(jnp.shape(mask), jnp.where(overflowed, jnp.nan, 0.0), jnp.float32)
 
-    if sharding is None:
-      shared = index(self.active_mask)
-    else:
-      shared, () = map_row_shards(lambda rows, whole: (index(rows[0]), ()), sharding,
-                                  rows=(jnp.asarray(self.active_mask),), whole=(),
-                                  sums_like=())
+    shared = self.per_shard_of_mask(index, sharding)
     self._shared_rows = shared[0]
     self._index_poison = shared[1] if cut else None
     self._shared_top_n = top_n
     self._mask_sharding = sharding
+
+  def per_shard_of_mask(self, fn, sharding: RowSharding | None) -> tuple:
+    """``fn(mask) -> tuple of arrays`` of ``active_mask``, or of each shard's block of it
+    (the results joined along their first dimension) where ``sharding`` splits it."""
+    mask = jnp.asarray(self.active_mask)
+    if sharding is None:
+      return fn(mask)
+    out, () = map_row_shards(lambda rows, whole: (fn(rows[0]), ()), sharding, rows=(mask,),
+                             whole=(), sums_like=())
+    return out
 
   def rows_to_keep(self, path: str, rows: jax.Array, num_row_dims: int, *,
                    layout: str | None = None) -> tuple[jax.Array | None, Any] | str:

@@ -37,7 +37,7 @@ from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pa
                               token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask
-from sebp_jax.sharding import map_row_shards, shard_row_counts
+from sebp_jax.sharding import shard_row_counts
 
 logger = logging.getLogger("sebp_jax")
 
@@ -247,12 +247,8 @@ class use_sebp(SEBPContext):
     # The mask as given: a numpy mask is checked against the capacity now, even in a trace.
     self._layout = pack_layout(self.active_mask, validate_top_n(top_n), sharding)
     self.report.capacity = top_n
-    if sharding is None:
-      self._shared_rows = active_rows_from_mask(self.active_mask, top_n)
-    else:
-      (self._shared_rows,), () = map_row_shards(
-          lambda rows, whole: ((active_rows_from_mask(rows[0], top_n),), ()), sharding,
-          rows=(jnp.asarray(self.active_mask),), whole=(), sums_like=())
+    (self._shared_rows,) = self.per_shard_of_mask(
+        lambda mask: (active_rows_from_mask(mask, top_n),), sharding)
     self._shared_top_n = top_n
     self._mask_sharding = sharding
 

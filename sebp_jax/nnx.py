@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import inspect
 import math
 import threading
@@ -25,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
@@ -477,7 +475,6 @@ _PACKED_ATTENTION = threading.local()
 # step jitted outside the context (nnx.jit of a model whose attention it swapped) compiles
 # again for another batch's layout instead of keeping the first one's.
 _PACKED_JIT_KEY = jax.make_user_context(None)
-_UNIQUE = iter(range(1 << 62))
 _PACKED_CLASSES: dict[type, type] = {}
 
 
@@ -573,14 +570,9 @@ class use_packed_attention:
 
   def _layout_key(self) -> tuple:
     """The layout's contents where they are concrete, else nothing shared with another."""
-    leaves = jax.tree.leaves(self.layout)
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-      return ("traced", next(_UNIQUE))
-    digest = hashlib.sha256()
-    for leaf in leaves:
-      digest.update(np.asarray(leaf).tobytes())
-    return (self.layout.batch_shape, self.layout.capacity, self.layout.row_width,
-            self.layout.contiguous, digest.hexdigest())
+    layout = self.layout
+    return (layout.batch_shape, layout.capacity, layout.row_width, layout.contiguous,
+            layout.shards, context_lib.contents_key(*jax.tree.leaves(layout)))
 
   def __exit__(self, exc_type, exc, tb) -> None:
     for module, cls in reversed(self._swapped):

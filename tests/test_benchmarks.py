@@ -379,7 +379,7 @@ def test_balance_benchmark_evens_the_fullest_shard():
   rows = balance.main(["--model", "llama", "--devices", "1,4", "--batches", "20"])
   one, four = rows
   assert one["fullest_over_mean_drawn"] == one["fullest_over_mean_balanced"] == 1.0
-  assert 1.0 <= four["fullest_over_mean_balanced"] < four["fullest_over_mean_drawn"]
+  assert four["fullest_over_mean_balanced"] < four["fullest_over_mean_drawn"]
   assert four["worst_balanced"] <= four["worst_drawn"]
 
 
