@@ -97,6 +97,8 @@ from sebp_jax.sharding import collective_bytes, collective_counts, shard_row_cou
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
+#: What a mode's record can time: the loss, its gradient, a whole AdamW step.
+STAGES = ("forward", "grad", "step")
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
@@ -212,16 +214,27 @@ def build_model(kind: str, tiny: bool, dtype):
   return FlaxLlamaForCausalLM(config, seed=0, dtype=dtype)
 
 
-def make_batch(kind: str, model, setup: Setup, seed: int, shards: int = 1) -> dict[str, np.ndarray]:
+def make_batch(kind: str, model, setup: Setup, seed: int, shards: int = 1,
+               shard_lengths: str = "drawn") -> dict[str, np.ndarray]:
   """Random tokens with real lengths (drawn from the lengths file), right-padded to the length;
   with ``shards``, one such batch per shard (seeds ``seed``, ``seed + 1``, ...), stacked, so
-  that the first shard's is the one-device batch."""
-  if shards > 1:
-    parts = [make_batch(kind, model, setup, seed + shard) for shard in range(shards)]
-    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+  that the first shard's is the one-device batch. ``shard_lengths``: each shard's lengths
+  drawn anew (``"drawn"``), or the first shard's on every shard, each with tokens of its own
+  (``"same"``: every device holds as many real tokens as the one-device batch)."""
+  if shard_lengths not in ("drawn", "same"):
+    raise ValueError(f"shard_lengths must be 'drawn' or 'same', got {shard_lengths!r}")
+  first = _random_batch(kind, model, setup, seed)
+  lengths = first["attention_mask"].sum(axis=1) if shard_lengths == "same" else None
+  parts = [first] + [_random_batch(kind, model, setup, seed + shard, lengths)
+                     for shard in range(1, shards)]
+  return {key: np.concatenate([part[key] for part in parts]) for key in first}
+
+
+def _random_batch(kind: str, model, setup: Setup, seed: int, lengths=None):
   rng = np.random.default_rng(seed)
-  lengths = np.asarray(json.loads((LENGTHS_DIR / setup.lengths_file).read_text())["lengths"])
-  lengths = np.minimum(rng.choice(lengths, setup.batch_size), setup.length)
+  if lengths is None:
+    drawn = np.asarray(json.loads((LENGTHS_DIR / setup.lengths_file).read_text())["lengths"])
+    lengths = np.minimum(rng.choice(drawn, setup.batch_size), setup.length)
   mask = (np.arange(setup.length)[None] < lengths[:, None]).astype(np.int32)
   ids = rng.integers(5, model.config.vocab_size, size=mask.shape).astype(np.int32) * mask
   batch = {"input_ids": ids, "attention_mask": mask}
@@ -452,27 +465,96 @@ def param_shardings(params, mesh, fsdp: str | None):
   """Replicated params (data parallel), or with ``fsdp`` each matrix split along its first
   dimension over ``"data"`` where the devices divide it."""
   def spec(param):
-    split = fsdp and param.ndim >= 2 and param.shape[0] % mesh.shape["data"] == 0
-    return NamedSharding(mesh, P("data") if split else P())
+    return NamedSharding(mesh, P("data") if fsdp and splits(param, mesh) else P())
   return jax.tree.map(spec, params)
 
 
-def gathering_params(loss_fn, mesh):
+def splits(param, mesh) -> bool:
+  """Whether FSDP splits ``param``: a matrix whose first dimension the devices divide."""
+  return param.ndim >= 2 and param.shape[0] % mesh.shape["data"] == 0
+
+
+def gathering_params(loss_fn, mesh, dtype=jnp.bfloat16):
   """``loss_fn`` of params split FSDP-style, gathering them whole as its first step: the
   weights, not the activations, move between devices, and the activations stay on the
   batch's split (left to itself, XLA may split them along the weights' features instead).
-  The gradients are summed over the devices; the step's ``out_shardings`` split them again.
-  Every weight stays whole through the step (unlike ZeRO-3, which gathers layer by layer)."""
-  replicated = NamedSharding(mesh, P())
+  Each split matrix is cast to ``dtype`` (the compute dtype it is cast to anyway) on its own
+  shard and gathered in it, inside a ``shard_map`` so that XLA cannot move the cast after the
+  gather; its gradient comes back the same way, a sum over the devices split again (a
+  reduce-scatter in ``dtype``). Every weight stays whole through the step (unlike ZeRO-3,
+  which gathers layer by layer)."""
+  def gather(param):
+    if not splits(param, mesh):
+      return param
+    return jax.shard_map(lambda shard: lax.all_gather(shard.astype(dtype), "data", tiled=True,
+                                                       to="invarying"),
+                         mesh=mesh, in_specs=P("data"), out_specs=P())(param)
 
   def loss(params, batch):
-    return loss_fn(jax.lax.with_sharding_constraint(params, replicated), batch)
+    return loss_fn(jax.tree.map(gather, params), batch)
   return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a benchmark's step runs: one device, or data parallel over a mesh (params
+  replicated, or split FSDP-style), with the AdamW state placed like the params."""
+  params: Any
+  opt_state: Any
+  optimizer: Any
+  mesh: jax.sharding.Mesh | None
+  fsdp: str | None
+
+  @classmethod
+  def make(cls, params, devices: int, fsdp: str | None) -> "Placement":
+    optimizer = optax.adamw(1e-5)
+    mesh = data_parallel_mesh(devices)
+    if mesh is not None:
+      params = jax.device_put(params, param_shardings(params, mesh, fsdp))
+    opt_state = jax.jit(optimizer.init)(params)
+    if mesh is not None:
+      # The optimizer's step count, made on one device, replicated like the params.
+      opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == devices
+                               else jax.device_put(a, NamedSharding(mesh, P())), opt_state)
+    return cls(params, opt_state, optimizer, mesh, fsdp)
+
+  @property
+  def sebp_sharding(self) -> dict:
+    """``use_sebp``'s arguments for the batch's split: none on one device."""
+    return {} if self.mesh is None else dict(batch_axes="data", mesh=self.mesh)
+
+  def calls(self, loss_fn, host_batch, stages=STAGES, compiler_options=None) -> dict:
+    """{stage: (jitted function, its arguments)} for ``stages`` of ``loss_fn`` on
+    ``host_batch``, the batch split over the mesh; the step's function compiled."""
+    batch = host_batch
+    if self.mesh is not None:
+      batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
+      if self.fsdp == "start":
+        loss_fn = gathering_params(loss_fn, self.mesh)
+    optimizer = self.optimizer
+
+    def step(params, opt_state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
+    calls = {"forward": (jit(loss_fn), (self.params, batch)),
+             "grad": (jit(jax.grad(loss_fn)), (self.params, batch))}
+    calls = {stage: call for stage, call in calls.items() if stage in stages}
+    if "step" in stages:
+      out_shardings = None if self.mesh is None else jax.tree.map(
+          lambda a: a.sharding, (self.params, self.opt_state))
+      compiled_step = jit(step, out_shardings=out_shardings).lower(
+          self.params, self.opt_state, batch).compile()
+      calls["step"] = (compiled_step, (self.params, self.opt_state, batch))
+    return calls
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
         devices: int = 1, fsdp: str | None = None, baseline=(), rounds: int = 1,
-        batch_size: int | None = None, balance: bool = False):
+        batch_size: int | None = None, balance: bool = False, shard_lengths: str = "same",
+        stages=STAGES, compiler_options=None, calls_per_repeat: int = 1):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -484,29 +566,31 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
   ``fsdp``); a record of ``baseline`` (one device, same mode) gives the weak-scaling
   efficiency, one device's step time over this one's. ``batch_size``: in place of the
-  setup's (per device). ``balance``: the batch's rows reordered so that the devices hold about
-  equal real tokens (:func:`sebp_jax.balanced_shard_order`)."""
+  setup's (per device). ``shard_lengths``: every device's rows with the one-device batch's
+  lengths (``"same"``: weak scaling at equal work) or lengths drawn for each (``"drawn"``);
+  ``balance``: the drawn batch's rows reordered so that the devices hold about equal real
+  tokens (:func:`sebp_jax.balanced_shard_order`). ``stages``: which of forward, grad and step
+  to time (the step always compiles: its memory and collectives are recorded).
+  ``compiler_options``: XLA options every call on several devices compiles with (such as
+  ``{"xla_gpu_enable_latency_hiding_scheduler": True}``). ``calls_per_repeat``: calls
+  dispatched back to back before one sync, so that the host's dispatch of a call overlaps the
+  device's work on the one before, as in a training loop (1: the host's dispatch is timed
+  too)."""
+  if balance and shard_lengths != "drawn":
+    raise ValueError("balance reorders drawn lengths: pass shard_lengths='drawn'")
+  unknown = set(stages) - set(STAGES)
+  if unknown or "step" not in stages:
+    raise ValueError(f"stages must include 'step' and be among {STAGES}, got {stages}")
+  options = dict(compiler_options or {}) if devices > 1 else {}
   setup = setup_for(kind, tiny, batch_size)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
-  batch = make_batch(kind, model, setup, seed, shards=devices)
+  batch = make_batch(kind, model, setup, seed, shards=devices, shard_lengths=shard_lengths)
   if balance:
     batch = balanced_batch(batch, devices)
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
   num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-  optimizer = optax.adamw(1e-5)
-  mesh = data_parallel_mesh(devices)
-  sharding, put_batch, step_shardings = {}, (lambda b: b), None
-  if mesh is not None:
-    sharding = dict(batch_axes="data", mesh=mesh)
-    params = jax.device_put(params, param_shardings(params, mesh, fsdp))
-    put_batch = functools.partial(jax.device_put, device=NamedSharding(mesh, P("data")))
-  opt_state = jax.jit(optimizer.init)(params)
-  if mesh is not None:
-    # The optimizer's step count, made on one device, replicated like the params.
-    opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == devices
-                             else jax.device_put(a, NamedSharding(mesh, P())), opt_state)
-    step_shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
+  placement = Placement.make(params, devices, fsdp)
   if not setup.has_lm_head:
     modes = [m for m in modes if m not in LM_HEAD_MODES]
   if setup.nnx:
@@ -514,25 +598,16 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size,
                 top_n=top_n, compute_dtype="bfloat16",
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
-                backend=backend, devices=devices, fsdp=fsdp, balanced=balance)
+                calls_per_repeat=calls_per_repeat,
+                backend=backend, devices=devices, fsdp=fsdp, balanced=balance,
+                shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options)
   prepared, rows = [], []
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout):
-    host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend, sharding)
-    mode_batch = put_batch(host_batch)
-    if fsdp == "start" and mesh is not None:
-      loss_fn = gathering_params(loss_fn, mesh)
-
-    def step(params, opt_state, batch):
-      grads = jax.grad(loss_fn)(params, batch)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    calls = {"forward": (jax.jit(loss_fn), (params, mode_batch)),
-             "grad": (jax.jit(jax.grad(loss_fn)), (params, mode_batch))}
+    host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
+                                    placement.sebp_sharding)
     try:
-      compiled_step = jax.jit(step, out_shardings=step_shardings).lower(
-          params, opt_state, mode_batch).compile()
-      calls["step"] = (compiled_step, (params, opt_state, mode_batch))
+      calls = placement.calls(loss_fn, host_batch, stages, options)
+      compiled_step = calls["step"][0]
       for fn, args in calls.values():
         for _ in range(2):  # compile and warm up
           jax.block_until_ready(fn(*args))
@@ -549,12 +624,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 file=sys.stdout):
     for mode, _, _, calls in prepared:
       for stage, (fn, args) in calls.items():
-        samples[mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0))
+        samples[mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0,
+                                              calls_per_repeat=calls_per_repeat))
   dense = samples.get("dense")
   dense_peak = next((peak_bytes(step) for mode, _, step, _ in prepared if mode == "dense"), None)
   for mode, host_batch, compiled_step, _ in prepared:
-    timed = {f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()}
-    timed["backward_ms"] = timed["grad_ms"] - timed["forward_ms"]
+    timed = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()})
     row = record(
         **fields, mode=mode, padded_length=host_batch["input_ids"].shape[1],
         real_tokens=int(np.count_nonzero(host_batch["attention_mask"])),
@@ -569,9 +644,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     if one_device:
       row["scaling_efficiency"] = one_device["step_ms"] / row["step_ms"]
     if dense is not None:
-      dense_ms = {f"{stage}_ms": np.asarray(ms) for stage, ms in dense.items()}
-      dense_ms["backward_ms"] = dense_ms["grad_ms"] - dense_ms["forward_ms"]
-      for stage in ("backward", "grad", "step"):
+      dense_ms = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in dense.items()})
+      for stage in [s for s in ("backward", "grad", "step") if f"{s}_ms" in timed]:
         per_round = dense_ms[f"{stage}_ms"] / timed[f"{stage}_ms"]
         row[f"{stage}_speedup_vs_dense"] = float(np.median(per_round))
         row[f"{stage}_speedup_vs_dense_range"] = [float(per_round.min()),
@@ -581,6 +655,14 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     rows.append(row)
     append_json_lines(out, [row])
   return rows
+
+
+def with_backward(timed: dict) -> dict:
+  """``timed`` (milliseconds by stage) with the backward's, the gradient's less the forward's,
+  where both were timed."""
+  if "grad_ms" in timed and "forward_ms" in timed:
+    return {**timed, "backward_ms": timed["grad_ms"] - timed["forward_ms"]}
+  return timed
 
 
 #: Dense bf16 peak FLOP/s of the cards measured here, by a name in their device kind.
@@ -611,8 +693,8 @@ def print_table(rows) -> None:
       continue
     low, high = r.get("step_speedup_vs_dense_range", (nan, nan))
     print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['padded_length']:5d} "
-          f"{r['forward_ms']:8.2f} "
-          f"{r['backward_ms']:8.2f} {r['grad_ms']:8.2f} {r['step_ms']:8.2f} "
+          f"{r.get('forward_ms', nan):8.2f} "
+          f"{r.get('backward_ms', nan):8.2f} {r.get('grad_ms', nan):8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', nan):6.2f} "
           f"{r.get('grad_speedup_vs_dense', nan):6.2f} "
           f"{r.get('step_speedup_vs_dense', nan):5.2f} ({low:4.2f}-{high:4.2f}) "
@@ -655,6 +737,19 @@ def print_best_batches(best) -> None:
           f"{'' if ratio is None else f'{ratio:.2f}x':>20}")
 
 
+def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
+  """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  try:
+    return name, int(value)
+  except ValueError:
+    return name, value
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
                                    description=__doc__.split("\n\n")[0],
@@ -668,6 +763,9 @@ def main(argv=None) -> list[dict]:
                       help="SEBP backend of the sebp_* modes")
   parser.add_argument("--repeats", type=int, default=3,
                       help="calls of each measurement in a round; their median is the round's")
+  parser.add_argument("--calls-per-repeat", type=int, default=1,
+                      help="calls dispatched back to back before one sync (1: each call "
+                           "synced, the host's dispatch timed too)")
   parser.add_argument("--rounds", type=int, default=5,
                       help="interleaved rounds, every mode timed once in each; a record keeps "
                            "the median and the spread of the rounds")
@@ -685,14 +783,29 @@ def main(argv=None) -> list[dict]:
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "
                            "tokens a second")
+  parser.add_argument("--shard-lengths", choices=("same", "drawn"), default="same",
+                      help="on several devices, every device's rows with the one-device "
+                           "batch's lengths (same: weak scaling at equal work) or lengths drawn "
+                           "for each device (drawn)")
   parser.add_argument("--balance", action="store_true",
-                      help="on several devices, reorder the batch's rows so that every device "
-                           "holds about equal real tokens")
+                      help="with --shard-lengths drawn, reorder the batch's rows so that every "
+                           "device holds about equal real tokens")
+  parser.add_argument("--stages", type=functools.partial(parse_subset, choices=STAGES),
+                      default=list(STAGES),
+                      help="comma-separated stages to time (step always): forward,grad,step")
+  parser.add_argument("--compiler-option", type=parse_compiler_option, action="append",
+                      default=[], metavar="NAME=VALUE",
+                      help="an XLA option the runs on several devices compile with, e.g. "
+                           "xla_gpu_enable_latency_hiding_scheduler=true (repeatable)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
-  if args.repeats <= 0 or args.rounds <= 0:
-    parser.error("--repeats and --rounds must be positive")
+  if args.repeats <= 0 or args.rounds <= 0 or args.calls_per_repeat <= 0:
+    parser.error("--repeats, --rounds and --calls-per-repeat must be positive")
+  if args.balance and args.shard_lengths != "drawn":
+    parser.error("--balance reorders drawn lengths: add --shard-lengths drawn")
+  if "step" not in args.stages:
+    parser.error("--stages must include step")
   rows = []
   for kind in args.model or sorted(SETUPS):
     for batch_size in args.batch_sizes or [None]:
@@ -700,7 +813,10 @@ def main(argv=None) -> list[dict]:
       for devices in args.devices:
         runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
                    devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds,
-                   batch_size=batch_size, balance=args.balance)
+                   batch_size=batch_size, balance=args.balance,
+                   shard_lengths=args.shard_lengths, stages=args.stages,
+                   compiler_options=dict(args.compiler_option),
+                   calls_per_repeat=args.calls_per_repeat)
         one_device = runs if devices == 1 else one_device
         rows += runs
   print_table(rows)

@@ -12,6 +12,16 @@ op names carry module paths, as Linen's do (``--by kernel`` keeps XLA's kernel n
 instead). GPU command buffers are turned off for the trace, so that every kernel names its
 instruction. Prints, per model, a table of the largest rows with one column per mode, and
 writes every row with ``--out``.
+
+``--devices N`` traces the data-parallel call of ``benchmarks.model --devices N`` (every
+device the one-device batch's lengths), ``--call step`` the whole AdamW step in place of the
+gradient. Each mode then also gets a timeline per device, ms per call: the wall time of the
+call, the time any kernel runs (busy), the time a computation runs, the collectives' time, and
+the part of it no computation overlaps (exposed): what the devices spend waiting on each other
+or on the host.
+
+    python -m benchmarks.profile_model --model llama --modes dense,sebp_packed --devices 4 \
+        --call step
 """
 
 from __future__ import annotations
@@ -25,13 +35,16 @@ import os
 import pathlib
 import re
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 from jax._src import xla_bridge
 
 from benchmarks.harness import parse_subset
-from benchmarks.model import MODES, SETUPS, build_model, make_batch, mode_loss, setup_for
+from benchmarks.model import (MODES, SETUPS, Placement, build_model, make_batch, mode_loss,
+                              setup_for)
+from sebp_jax.sharding import shard_row_counts
 from sebp_jax.implementations import implementation_names
 
 _COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="
@@ -112,35 +125,100 @@ def device_time(trace_dir: pathlib.Path, op_names: dict[str, str] | None) -> dic
   return totals
 
 
-def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: str):
-  """{mode: {row: ms per gradient}} for the model benchmark's ``kind``."""
+_COLLECTIVE = re.compile(r"nccl|all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute", re.IGNORECASE)
+
+
+def _union_ns(intervals) -> int:
+  """The length of the union of ``(start, end)`` intervals."""
+  total, reach = 0, None
+  for start, end in sorted(intervals):
+    if reach is None or start > reach:
+      total, reach = total + end - start, end
+    elif end > reach:
+      total, reach = total + end - reach, end
+  return total
+
+
+def device_timeline(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
+  """{device plane: busy / compute / collective / exposed-collective ms} of the newest trace
+  under ``trace_dir``, over the XLA ops that name an HLO instruction: the union of all of
+  their intervals, of the computations', the collectives' summed time, and the time only
+  collectives run."""
+  (path,) = sorted(trace_dir.rglob("*.xplane.pb"))[-1:]
+  data = jax.profiler.ProfileData.from_file(str(path))
+  timeline = {}
+  for plane in data.planes:
+    spans = {"compute": [], "collective": []}
+    for line in plane.lines:
+      for event in line.events:
+        instruction = dict(event.stats).get("hlo_op")
+        if instruction is None:
+          continue
+        kind = "collective" if _COLLECTIVE.search(f"{event.name} {instruction}") else "compute"
+        spans[kind].append((event.start_ns, event.start_ns + event.duration_ns))
+    if not spans["compute"] and not spans["collective"]:
+      continue
+    busy = _union_ns(spans["compute"] + spans["collective"])
+    compute = _union_ns(spans["compute"])
+    timeline[plane.name] = {
+        "busy_ms": busy / 1e6, "compute_ms": compute / 1e6,
+        "collective_ms": sum(end - start for start, end in spans["collective"]) / 1e6,
+        "exposed_collective_ms": (busy - compute) / 1e6}
+  return timeline
+
+
+def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: str,
+            devices: int = 1, call: str = "grad"):
+  """{mode: {row: ms per call}} for the model benchmark's ``kind``, and {mode: {device:
+  timeline, ms per call}} (:func:`device_timeline`, with the call's wall time)."""
   setup = setup_for(kind, tiny)
   model = build_model(kind, tiny, jnp.bfloat16)
-  batch = make_batch(kind, model, setup, 0)
-  top_n = int(batch["attention_mask"].sum())
-  report = {}
+  batch = make_batch(kind, model, setup, 0, shards=devices, shard_lengths="same")
+  top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
+  placement = Placement.make(model.params, devices, fsdp=None)
+  report, timelines = {}, {}
   for mode in modes:
-    mode_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend)
-    grad = jax.jit(jax.grad(loss_fn)).lower(model.params, mode_batch).compile()
-    op_names = hlo_op_names(grad.as_text()) if by == "op" else None
-    jax.block_until_ready(grad(model.params, mode_batch))
+    host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
+                                    placement.sebp_sharding)
+    fn, args = placement.calls(loss_fn, host_batch, stages=(call,))[call]
+    if not hasattr(fn, "as_text"):
+      fn = fn.lower(*args).compile()
+    op_names = hlo_op_names(fn.as_text()) if by == "op" else None
+    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
+        begin = time.perf_counter()
         for _ in range(iterations):
-          jax.block_until_ready(grad(model.params, mode_batch))
+          jax.block_until_ready(fn(*args))
+        wall_ms = (time.perf_counter() - begin) * 1e3 / iterations
       totals = device_time(pathlib.Path(trace_dir), op_names)
-    report[mode] = {row: ms / iterations for row, ms in totals.items()}
-  return report
+      timeline = device_timeline(pathlib.Path(trace_dir))
+    report[mode] = {row: ms / devices / iterations for row, ms in totals.items()}
+    timelines[mode] = {device: {"wall_ms": wall_ms,
+                                **{k: v / iterations for k, v in times.items()}}
+                       for device, times in timeline.items()}
+  return report, timelines
 
 
-def print_table(kind: str, report: dict[str, dict[str, float]], top: int) -> None:
+def print_table(kind: str, report: dict[str, dict[str, float]], top: int, call: str) -> None:
   modes = list(report)
-  print(f"== {kind}: ms per gradient")
+  print(f"== {kind}: ms per {call}, per device")
   print("  ".join(f"{m[:12]:>12}" for m in modes) + "  op")
   print("  ".join(f"{sum(report[m].values()):12.2f}" for m in modes) + "  (all)")
   rows = {row for ms in report.values() for row in ms}
   for row in sorted(rows, key=lambda r: -max(report[m].get(r, 0.0) for m in modes))[:top]:
     print("  ".join(f"{report[m].get(row, 0.0):12.3f}" for m in modes) + f"  {row[:120]}")
+
+
+def print_timelines(kind: str, timelines: dict[str, dict[str, dict[str, float]]]) -> None:
+  print(f"== {kind}: timeline, ms per call")
+  print(f"{'mode':28} {'device':24} {'wall':>8} {'busy':>8} {'compute':>8} {'collect.':>8} "
+        f"{'exposed':>8}")
+  for mode, devices in timelines.items():
+    for device, t in devices.items():
+      print(f"{mode:28} {device[-24:]:24} {t['wall_ms']:8.2f} {t['busy_ms']:8.2f} "
+            f"{t['compute_ms']:8.2f} {t['collective_ms']:8.2f} {t['exposed_collective_ms']:8.2f}")
 
 
 def main(argv=None) -> dict:
@@ -155,7 +233,11 @@ def main(argv=None) -> dict:
                       help="SEBP backend of the sebp_* modes")
   parser.add_argument("--by", choices=("op", "kernel"), default="op",
                       help="rows: JAX op names (layer numbers folded) or XLA kernel names")
-  parser.add_argument("--iterations", type=int, default=3, help="gradients traced per mode")
+  parser.add_argument("--iterations", type=int, default=3, help="calls traced per mode")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="data parallel over this many devices (benchmarks.model --devices)")
+  parser.add_argument("--call", choices=("grad", "step"), default="grad",
+                      help="trace the gradient or the whole AdamW step")
   parser.add_argument("--top", type=int, default=30, help="rows printed per model")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--out", default=None, help="write every row as JSON here")
@@ -163,15 +245,20 @@ def main(argv=None) -> dict:
   if args.iterations <= 0:
     parser.error("--iterations must be positive")
   turn_off_command_buffers()
-  report = {}
+  if args.devices <= 0:
+    parser.error("--devices must be positive")
+  report, timelines = {}, {}
   for kind in args.model or ["bert"]:
-    report[kind] = profile(kind, args.modes, iterations=args.iterations, backend=args.backend,
-                           tiny=args.tiny, by=args.by)
-    print_table(kind, report[kind], args.top)
+    report[kind], timelines[kind] = profile(
+        kind, args.modes, iterations=args.iterations, backend=args.backend, tiny=args.tiny,
+        by=args.by, devices=args.devices, call=args.call)
+    print_table(kind, report[kind], args.top, args.call)
+    print_timelines(kind, timelines[kind])
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(
         {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
-         "by": args.by, "iterations": args.iterations, "models": report}, indent=1))
+         "by": args.by, "iterations": args.iterations, "devices": args.devices,
+         "call": args.call, "models": report, "timelines": timelines}, indent=1))
   return report
 
 

@@ -340,6 +340,22 @@ def test_profile_model_attributes_time_to_jax_ops(tmp_path):
   assert json.loads(out.read_text())["models"]["bert"].keys() == {"dense", "sebp_shared"}
 
 
+def test_profile_model_times_a_data_parallel_step_per_device(tmp_path):
+  """--devices 2 --call step: the packed step's ops per device, and a timeline whose busy time
+  holds its computations' and whose collectives (the gradient's sum) show."""
+  out = tmp_path / "prof.json"
+  profile_model.main(["--tiny", "--model", "bert", "--modes", "sebp_packed", "--devices", "2",
+                      "--call", "step", "--iterations", "1", "--out", str(out)])
+  written = json.loads(out.read_text())
+  assert written["devices"] == 2 and written["call"] == "step"
+  assert sum(written["models"]["bert"]["sebp_packed"].values()) > 0
+  (timeline, *_) = written["timelines"]["bert"]["sebp_packed"].values()
+  assert timeline["wall_ms"] > 0 and timeline["collective_ms"] > 0
+  assert timeline["busy_ms"] >= timeline["compute_ms"] > 0
+  assert timeline["exposed_collective_ms"] == pytest.approx(
+      timeline["busy_ms"] - timeline["compute_ms"])
+
+
 def test_profile_model_reads_op_names_from_the_hlo():
   hlo = """%fused_computation.7 (param_0: bf16[4,8]) -> bf16[4,8] {
   %param_0 = bf16[4,8]{1,0} parameter(0)
@@ -383,6 +399,49 @@ def test_balance_benchmark_evens_the_fullest_shard():
   assert four["worst_balanced"] <= four["worst_drawn"]
 
 
+def test_shards_hold_the_one_device_lengths_or_their_own():
+  """--shard-lengths: "same" gives every shard the first shard's lengths (the one-device
+  batch's) with tokens of its own; "drawn" draws each shard's lengths anew. The first shard is
+  the one-device batch either way."""
+  setup = model.setup_for("llama", tiny=True)
+  net = model.build_model("llama", tiny=True, dtype=jnp.float32)
+  one = model.make_batch("llama", net, setup, seed=5)
+  rows = setup.batch_size
+  same = model.make_batch("llama", net, setup, seed=5, shards=3, shard_lengths="same")
+  drawn = model.make_batch("llama", net, setup, seed=5, shards=3, shard_lengths="drawn")
+  for batch in (same, drawn):
+    for key in one:
+      np.testing.assert_array_equal(batch[key][:rows], one[key])
+  for shard in (1, 2):
+    part = slice(shard * rows, (shard + 1) * rows)
+    np.testing.assert_array_equal(same["attention_mask"][part], one["attention_mask"])
+    assert not np.array_equal(same["input_ids"][part], one["input_ids"])
+    assert np.all((same["input_ids"][part] != 0) == (one["attention_mask"] != 0))
+  assert not np.array_equal(drawn["attention_mask"][rows:2 * rows], one["attention_mask"])
+  with pytest.raises(ValueError, match="shard_lengths"):
+    model.make_batch("llama", net, setup, seed=5, shards=2, shard_lengths="even")
+  with pytest.raises(SystemExit):
+    model.main(["--tiny", "--model", "llama", "--devices", "2", "--balance"])
+
+
+def test_compiler_options_parse_as_xla_values():
+  assert model.parse_compiler_option("xla_a=true") == ("xla_a", True)
+  assert model.parse_compiler_option("xla_b=False") == ("xla_b", False)
+  assert model.parse_compiler_option("xla_c=8388608") == ("xla_c", 8388608)
+  assert model.parse_compiler_option("xla_d=FUSION,CUBLAS") == ("xla_d", "FUSION,CUBLAS")
+  for text in ("xla_e", "=1"):
+    with pytest.raises(harness.argparse.ArgumentTypeError, match="NAME=VALUE"):
+      model.parse_compiler_option(text)
+
+
+def test_timeline_unions_overlapping_intervals():
+  """Busy time counts overlapping kernels once; exposed collective time is what no
+  computation covers."""
+  assert profile_model._union_ns([]) == 0
+  assert profile_model._union_ns([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+  assert profile_model._union_ns([(30, 40), (0, 50)]) == 50
+
+
 def test_balanced_batch_evens_the_shards_real_tokens():
   setup = model.setup_for("llama", tiny=True)
   net = model.build_model("llama", tiny=True, dtype=jnp.float32)
@@ -401,9 +460,14 @@ def test_fsdp_layer_by_layer_with_packing_has_the_dense_collectives():
   per-shard partial gradients are summed whole and then split, an all-reduce that XLA's GPU
   pipeline makes a reduce-scatter; the CPU's keeps it whole.)"""
   rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_packed", "--devices",
-                     "2", "--fsdp", "layer", "--repeats", "1", "--rounds", "1"])
+                     "2", "--fsdp", "layer", "--repeats", "1", "--rounds", "1",
+                     "--stages", "step", "--calls-per-repeat", "2", "--compiler-option",
+                     "xla_gpu_enable_latency_hiding_scheduler=true"])
   dense, packed = rows
   assert dense["fsdp"] == packed["fsdp"] == "layer"
+  assert packed["compiler_options"] == {"xla_gpu_enable_latency_hiding_scheduler": True}
+  assert packed["calls_per_repeat"] == 2 and packed["step_ms"] > 0
+  assert "grad_ms" not in packed and "forward_ms" not in packed  # --stages step
   assert dense["collectives"].get("all-gather", 0) > 0
   for kind, count in packed["collectives"].items():
     assert count <= dense["collectives"][kind]
