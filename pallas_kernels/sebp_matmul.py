@@ -245,7 +245,7 @@ def _gathered_dw_db_kernel(
     dy_ref,  # [T, N]
     *refs,  # (poison float32[1],) if with_poison; dW [split_rows, D, N] and,
             # if with_bias, db [split_rows, N] (outputs)
-    with_poison: bool, d_fastest: bool, steps_per_split: int,
+    with_poison: bool, d_fastest: bool, split_rows: int,
     block_sizes: BlockSizes, compute_dtype, precision):
   num_rows, d = x_ref.shape
   n = dy_ref.shape[1]
@@ -266,10 +266,12 @@ def _gathered_dw_db_kernel(
   n_in = n_idx < n
 
   # Only steps holding at least one selected row do work: padding at the end
-  # of active_rows costs nothing. The sentinel's slot is the selected count.
+  # of active_rows costs nothing, and the splits share the steps that do. The
+  # sentinel's slot is the selected count.
   num_selected = _lower_bound(active_rows_ref, jnp.int32(num_rows))
-  # pl.cdiv with an int32 divisor: a Python int one would be int64 under x64.
+  # pl.cdiv with int32 divisors: Python int ones would be int64 under x64.
   num_steps = lax.div(num_selected + block_rows - 1, jnp.int32(block_rows))
+  steps_per_split = lax.div(num_steps + split_rows - 1, jnp.int32(split_rows))
   first_step = split * steps_per_split
   last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
@@ -368,7 +370,6 @@ def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
   active_rows = _at_least_one_slot(active_rows, num_rows)
   num_steps = pl.cdiv(active_rows.shape[0], block_sizes.block_rows)
   split_rows = min(block_sizes.split_rows, num_steps)
-  steps_per_split = pl.cdiv(num_steps, split_rows)
   # With one split the kernel writes the final dtype directly; partial sums
   # stay float32 until they are added.
   dw_out = x.dtype if dw_dtype is None else dw_dtype
@@ -388,7 +389,7 @@ def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
   compute_dtype = jnp.promote_types(x.dtype, dy.dtype)
   body = functools.partial(
       _gathered_dw_db_kernel, with_poison=poison is not None,
-      d_fastest=d_fastest, steps_per_split=steps_per_split, block_sizes=block_sizes,
+      d_fastest=d_fastest, split_rows=split_rows, block_sizes=block_sizes,
       compute_dtype=compute_dtype,
       precision=_dot_precision(precision, x.dtype, dy.dtype))
   outs = pl.pallas_call(

@@ -7,7 +7,9 @@ Each backward takes the output gradient flattened to ``dy: [T, F]`` and
    whose skipped rows are then checked for NaN/Inf;
 2. picks, from static shapes, the capacities it may run at (:func:`capacities`): with
    ``overflow="exact"`` one that holds every active row is taken at run time (a
-   ``lax.switch``), the last being the dense backward of the active rows;
+   ``lax.switch``), the last being the dense backward of the active rows; except where the
+   backend's cost follows the rows its index lists (``follows_count``, the Pallas kernels):
+   then one index as long as every candidate row serves every count, with no branch;
 3. computes the gradients from the kept rows alone: :func:`linear_backward` through the
    implementation that :func:`sebp_jax.cost_model.choose_implementation` picks,
    :func:`embedding_backward` by a scatter of the kept rows into the table.
@@ -186,13 +188,18 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
         x, kernel, dy, None, with_bias=with_bias, precision=precision,
         dkernel_dtype=dkernel_dtype)
   dy = first_order_only(dy)
+  # A backend whose cost follows the listed rows runs once, on an index of every candidate.
+  counted = (len(plan) > 1 and backend != "auto"
+             and get_implementation(backend).follows_count)
+  if counted:
+    plan = (num_candidates,)
   # ``active``: every active row, or None where ``rows`` are the kept rows and all of them.
   if overflow == "drop" and active_rows is None and plan[0] < num_rows:
     rows, active, count, poison = select_active_rows(dy, plan[0], threshold), None, None, None
   else:
     # The largest capacity below every row is the most any branch gathers.
-    size = (max([c for c in plan if c < num_rows] or [1]) if active_rows is None
-            else num_candidates)
+    size = (max([c for c in plan if c < num_rows] or [1])
+            if active_rows is None and not counted else num_candidates)
     overflows = overflow != "exact" and plan[0] < num_candidates
     rows, active, count, poison = candidate_rows(
         dy, threshold=threshold, active_rows=active_rows, size=size,
@@ -208,9 +215,14 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   masked = active_rows is not None or threshold > 0
 
   def run_at(capacity: int):
-    name = "dense" if capacity >= num_rows else choose_implementation(
-        backend, num_rows=num_rows, in_features=in_features, out_features=kernel.shape[1],
-        top_n=capacity, itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
+    if counted:
+      name = backend
+    elif capacity >= num_rows:
+      name = "dense"
+    else:
+      name = choose_implementation(
+          backend, num_rows=num_rows, in_features=in_features, out_features=kernel.shape[1],
+          top_n=capacity, itemsize=dy.dtype.itemsize, index_given=active_rows is not None)
     implementation = get_implementation(name)
     if implementation.takes_index:
       return implementation.backward(x, kernel, dy, rows[:capacity], with_bias=with_bias,

@@ -23,7 +23,8 @@ Registered here:
 * ``"dense"``: every row (``active_rows`` is ignored); also the baseline of the others;
 * ``"xla"``: the dense backward of the kept rows, gathered and spread back in plain jnp;
 * ``"pallas"``: the Pallas kernels of ``pallas_kernels/`` (Triton on GPU, interpreted
-  elsewhere), which gather the kept rows inside their matmuls.
+  elsewhere), which gather the kept rows inside their matmuls. Their work follows the index's
+  rows, not its length: a block of sentinel slots exits at once.
 """
 
 from __future__ import annotations
@@ -43,29 +44,37 @@ Backward = Callable[..., tuple[Array, Array, Array | None]]
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """A registered backward, and whether it takes the index of the kept rows (an
-  implementation that keeps every row takes none)."""
+  """A registered backward, whether it takes the index of the kept rows (an implementation
+  that keeps every row takes none), and whether its cost follows the rows the index lists
+  rather than the index's length (``follows_count``: sentinel slots cost next to nothing, so
+  one index as long as every row serves any count, with no branch between capacities)."""
   backward: Backward
   takes_index: bool
+  follows_count: bool = False
 
 
 _REGISTRY: dict[str, Implementation] = {}
 
 
 def register_implementation(name: str, backward: Backward, *, takes_index: bool = True,
-                            replace: bool = False) -> None:
+                            follows_count: bool = False, replace: bool = False) -> None:
   """Makes ``backward`` available as ``backend=name`` to every SEBP op.
 
   ``takes_index=False`` marks an implementation that keeps every row: it is handed no index
-  (None). A name already registered is refused unless ``replace``: the cost model relies on
-  ``"dense"`` and ``"xla"`` being what this module registers.
+  (None). ``follows_count=True`` one whose cost follows the rows its index lists: where the
+  capacity would be chosen at run time (``top_n="auto"``, ``overflow="exact"``), it is handed
+  one index as long as every candidate row instead. A name already registered is refused
+  unless ``replace``: the cost model relies on ``"dense"`` and ``"xla"`` being what this
+  module registers.
   """
+  if follows_count and not takes_index:
+    raise ValueError("follows_count=True needs an implementation that takes an index")
   if name == "auto":
     raise ValueError("'auto' is the cost model's choice, not an implementation name")
   if name in _REGISTRY and not replace:
     raise ValueError(f"an implementation named {name!r} is registered already; pass "
                      "replace=True to replace it")
-  _REGISTRY[name] = Implementation(backward, takes_index)
+  _REGISTRY[name] = Implementation(backward, takes_index, follows_count)
 
 
 def implementation_names() -> tuple[str, ...]:
@@ -171,4 +180,4 @@ def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, po
 
 register_implementation("dense", dense_backward, takes_index=False)
 register_implementation("xla", xla_backward)
-register_implementation("pallas", pallas_backward)
+register_implementation("pallas", pallas_backward, follows_count=True)

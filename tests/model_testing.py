@@ -1,11 +1,12 @@
-"""Shared by the model tests: loss builders (dense, or under `use_sebp` when given its kwargs)
-and the gradient comparison."""
+"""Shared by the model tests: loss builders (dense, or under `use_sebp` when given its kwargs),
+the gradient comparison, and the branches of a jaxpr."""
 
 import contextlib
 
 import jax
 import numpy as np
 import optax
+from jax.extend.core import jaxprs_in_params
 
 from sebp_jax import use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
@@ -38,3 +39,17 @@ def assert_every_gradient_close(got, want, rtol=1e-4):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6 * scale)
+
+
+def branches(jaxpr) -> list[str]:
+  """The ``cond`` / ``while`` primitives of a jaxpr and its sub-jaxprs, outside Pallas kernels
+  (a branch inside a kernel is the kernel's own, not one between XLA programs)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      continue
+    if eqn.primitive.name in ("cond", "while"):
+      found.append(eqn.primitive.name)
+    for sub in jaxprs_in_params(eqn.params):
+      found += branches(sub)
+  return found

@@ -11,6 +11,7 @@ from sebp_jax import RowLog
 from sebp_jax.backward import (capacities, embedding_backward, linear_backward,
                                nan_if_not_finite)
 from sebp_jax.selection import capacity_ladder
+from tests.model_testing import branches
 from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
                              reference_table_grad, relative_error)
 
@@ -60,6 +61,36 @@ def test_exact_keeps_every_active_row_at_any_count(backend, num_nonzero, top_n):
   x, kernel, dy = _problem(num_nonzero, num_nonzero=num_nonzero)
   grads = _backward(x, kernel, dy, top_n=top_n, backend=backend)
   _assert_grads_of_rows(grads, x, kernel, dy, np.arange(NUM_ROWS))
+
+
+# Every count the "auto" ladder of 64 rows (8, 16, 32) can meet: none, one, each rung and its
+# neighbours, every row.
+COUNTS = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64]
+
+
+@pytest.mark.parametrize("options", [dict(top_n="auto"), dict(top_n=10),
+                                     dict(top_n="auto", index=True),
+                                     dict(top_n="auto", threshold=0.1)])
+def test_pallas_runs_one_branch_free_program_for_every_count(options):
+  """Where the capacity would be chosen at run time, the Pallas kernels (whose work follows
+  the rows listed) run once on an index of every candidate row: no cond, and the gradient of
+  every active row at every count."""
+  options = dict(options)
+  index = jnp.arange(NUM_ROWS, dtype=jnp.int32) if options.pop("index", False) else None
+
+  def backward(x, kernel, dy):
+    return linear_backward(x, kernel, dy, with_bias=True, backend="pallas",
+                           active_rows=index, **options)
+
+  x, kernel, dy = _problem(0)
+  assert branches(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr) == []
+  xla_plan = jax.make_jaxpr(lambda *a: linear_backward(*a, with_bias=True, backend="xla",
+                                                       active_rows=index, **options))
+  assert "cond" in branches(xla_plan(x, kernel, dy).jaxpr)
+  compiled = jax.jit(backward)
+  for count in COUNTS:
+    x, kernel, dy = _problem(100 + count, num_nonzero=count)
+    _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

@@ -163,6 +163,33 @@ def test_a_registered_implementation_runs_in_the_op(monkeypatch):
   assert len(calls) == 2
 
 
+def test_an_implementation_that_follows_the_count_gets_every_candidate_row(monkeypatch):
+  """follows_count=True: where the capacity would be chosen at run time, the implementation
+  runs once, handed an index as long as every row (the active ones first, then sentinels),
+  and the gradient is exact; an implementation that takes no index cannot follow a count."""
+  monkeypatch.setattr(implementations, "_REGISTRY", dict(implementations._REGISTRY))
+  lengths = []
+
+  def xla_spy(x, kernel, dy, active_rows, **kwargs):
+    lengths.append(active_rows.shape[0])
+    return implementations.xla_backward(x, kernel, dy, active_rows, **kwargs)
+
+  register_implementation("xla_spy", xla_spy, follows_count=True)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((64, 5)), jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((5, 7)), jnp.float32)
+  dy = jnp.asarray(random_sparse_rows(rng, 64, 7, 11))
+  for top_n in ("auto", 4):
+    grads = jax.grad(lambda x, k: jnp.vdot(sebp_jax.sebp_linear(x, k, top_n=top_n,
+                                                                backend="xla_spy"), dy),
+                     argnums=(0, 1))(x, kernel)
+    for got, want in zip(grads, reference_backward(x, kernel, dy, np.arange(64))):
+      assert relative_error(got, want) <= 1e-5
+  assert lengths == [64, 64]
+  with pytest.raises(ValueError, match="needs an implementation that takes an index"):
+    register_implementation("spy_dense", dense_backward, takes_index=False, follows_count=True)
+
+
 @pytest.mark.parametrize("num_rows", [16384, 4096, 1000, 77, 6, 0])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_sum_rows_is_the_float32_sum(num_rows, dtype):

@@ -4,6 +4,7 @@ plain linen models.
 Tests that compare SEBP with dense ask for backend="xla": on a GPU "auto" runs these tiny
 layers dense, and a test must exercise the path it names on every machine."""
 
+import functools
 from contextlib import nullcontext
 
 import flax.linen as nn
@@ -16,7 +17,8 @@ from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceCl
                           FlaxLlamaForCausalLM, LlamaConfig)
 
 from sebp_jax import RowLog, use_sebp
-from tests.model_testing import assert_every_gradient_close, causal_lm_loss, classification_loss
+from tests.model_testing import (assert_every_gradient_close, branches, causal_lm_loss,
+                                 classification_loss)
 
 
 def _padded_batch(rng, batch, length, vocab):
@@ -443,6 +445,27 @@ def test_a_concrete_mask_picks_the_capacity_on_the_host_with_no_branch():
   assert _count_conds(jax.grad(lambda p: loss(p, x, mask, True)), params) == 0
   assert _count_conds(jax.jit(jax.grad(lambda p, m: loss(p, x, m, False))), params, mask) >= 2
   assert_every_gradient_close(jax.jit(jax.grad(lambda p: loss(p, x, mask, True)))(params),
+                              _dense_mlp_grads(params, x, mask))
+
+
+@pytest.mark.parametrize("lengths", [[0, 0, 0, 0], [1, 0, 0, 0], [3, 5, 2, 4], [16, 16, 16, 15],
+                                     [16, 16, 16, 16]])
+def test_a_traced_mask_with_the_pallas_kernels_is_one_branch_free_program(lengths):
+  """top_n="auto" with a traced mask: the Pallas kernels, whose work follows the rows listed,
+  take the whole index at once instead of a capacity chosen at run time. No cond, and the
+  dense gradient for any count of real tokens."""
+  params, x, mask = _mlp_problem(16, lengths)
+
+  def loss(params, mask, backend):
+    with use_sebp(active_mask=mask, backend=backend):
+      return PlainMLP().apply(params, x, mask)
+
+  def grad(backend):
+    return jax.grad(functools.partial(loss, backend=backend))
+
+  assert branches(jax.make_jaxpr(grad("pallas"))(params, mask).jaxpr) == []
+  assert "cond" in branches(jax.make_jaxpr(grad("xla"))(params, mask).jaxpr)
+  assert_every_gradient_close(jax.jit(grad("pallas"))(params, mask),
                               _dense_mlp_grads(params, x, mask))
 
 

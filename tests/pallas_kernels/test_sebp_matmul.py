@@ -209,6 +209,28 @@ def test_gathered_dw_db(num_rows, d, n, num_slots, num_selected, dtype, blocks,
     assert _relative_error(db, expected_db) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("num_selected", [5, 40])
+def test_an_index_of_every_row_does_the_work_of_its_rows(num_selected):
+  """An index as long as T (every row a slot, sentinels after the selected ones), as the
+  backward hands the kernels where the count is known only at run time: the splits of the
+  row reduction share the steps that hold rows, and both kernels give those rows' sums."""
+  rng = np.random.default_rng(num_selected)
+  num_rows, d, n = 96, 40, 24
+  x = _random(rng, (num_rows, d), jnp.float32)
+  dy = _random(rng, (num_rows, n), jnp.float32)
+  active_rows, rows = _active_rows(rng, num_rows, num_rows, num_selected)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, block_sizes=SPLIT_BLOCKS,
+                          interpret=INTERPRET)
+  assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < TOLERANCE[jnp.float32]
+  assert _relative_error(db, _f64(dy)[rows].sum(axis=0)) < TOLERANCE[jnp.float32]
+  kernel = _random(rng, (d, n), jnp.float32)
+  dx_kept = _f64(gathered_dx(dy, kernel, active_rows, block_sizes=SMALL_BLOCKS,
+                             interpret=INTERPRET))
+  assert np.all(dx_kept[num_selected:] == 0.0)
+  assert _relative_error(dx_kept[:num_selected],
+                         _f64(dy)[rows] @ _f64(kernel).T) < TOLERANCE[jnp.float32]
+
+
 # One (D, N) in each class of the default tile tables, for dx (N >= 2048 and D >= 2048; N >=
 # 2048; the rest) and dW (D * N >= 2**24; >= 2**22; the rest).
 DEFAULT_TILE_CLASSES = [(4096, 4096), (1024, 4096), (256, 256)]
