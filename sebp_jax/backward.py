@@ -4,7 +4,9 @@ Each backward takes the output gradient flattened to ``dy: [T, F]`` and
 
 1. finds the active rows (:func:`candidate_rows`): those whose max ``|value|`` exceeds the
    threshold (or that hold NaN/Inf), among every row or among an index given by the caller,
-   whose skipped rows are then checked for NaN/Inf;
+   whose skipped rows are then checked for NaN/Inf; one pass over dY's rows
+   (:func:`sebp_jax.selection.row_statistics`) gives the count, the rows, their scores for
+   ``overflow="drop"`` and the row log's statistics;
 2. picks, from static shapes, the capacities it may run at (:func:`capacities`): with
    ``overflow="exact"`` one that holds every active row is taken at run time (a
    ``lax.switch``), the last being the dense backward of the active rows; except where the
@@ -31,7 +33,8 @@ from jax import lax
 
 from sebp_jax.cost_model import choose_implementation
 from sebp_jax.implementations import accumulation_dtype, gather_rows, get_implementation
-from sebp_jax.selection import capacity_ladder, row_magnitudes, row_scores, select_active_rows
+from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
+                                select_from_scores)
 
 Array = jax.Array
 
@@ -61,10 +64,14 @@ def nan_if_not_finite(dy: Array) -> Array:
   relies on XLA's max propagating NaN, its default (the GPU flag
   ``--xla_gpu_enable_fast_min_max`` would break that).
   """
-  # NaN propagates through max; |Inf| * 0 is NaN. The initial 0 is below every |value| and
-  # lets an empty dY through.
-  row_max = jnp.max(jnp.abs(dy), axis=1, initial=0)
-  # Multiplied before the cast, so that a finite float64 value past float32's range stays 0.
+  # The initial 0 is below every |value| and lets an empty dY through.
+  return poison_of_row_max(jnp.max(jnp.abs(dy), axis=1, initial=0))
+
+
+def poison_of_row_max(row_max: Array) -> Array:
+  """:func:`nan_if_not_finite` from each row's max ``|value|``."""
+  # NaN propagates through max; |Inf| * 0 is NaN. Multiplied before the cast, so that a
+  # finite float64 value past float32's range stays 0.
   return (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
 
 
@@ -86,8 +93,9 @@ def capacities(top_n: int | str, overflow: str, num_candidates: int) -> tuple[in
 
 
 def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, size: int,
-                   check_listed: bool) -> tuple[Array, Array, Array, Array | None]:
-  """``(rows, active, count, poison)`` for ``dy: [T, F]``.
+                   check_listed: bool
+                   ) -> tuple[Array, Array, Array, Array | None, RowStatistics | None]:
+  """``(rows, active, count, poison, statistics)`` for ``dy: [T, F]``.
 
   ``rows``: ``int32[size]``, the active rows in ascending order, then the sentinel T (the
   first ``size`` of them when more are active); with ``active_rows`` given, its entries that
@@ -96,26 +104,33 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
   no count). ``active``: ``bool[T]``, every active row.
   ``count``: how many rows are active. ``poison``:
   None, or, with an index, 0 or NaN as dY is finite or not: a NaN/Inf in a row the index
-  skips must still reach dW and db.
+  skips must still reach dW and db. ``statistics``: every row's
+  (:func:`sebp_jax.selection.row_statistics`), from the one pass over dY that gives all of
+  the above where the rows are checked; None where only the poison is needed.
   """
   num_rows = dy.shape[0]
+  statistics = (row_statistics(dy, threshold)
+                if active_rows is None or threshold > 0 or check_listed else None)
   if active_rows is None:
-    _, active = row_scores(dy, threshold)
-    (rows,) = jnp.nonzero(active, size=size, fill_value=num_rows)
-    return rows.astype(jnp.int32), active, jnp.sum(active, dtype=jnp.int32), None
+    (rows,) = jnp.nonzero(statistics.active, size=size, fill_value=num_rows)
+    return (rows.astype(jnp.int32), statistics.active,
+            jnp.sum(statistics.active, dtype=jnp.int32), None, statistics)
   rows = active_rows
-  if threshold > 0 or check_listed:
-    _, listed_active = row_scores(gather_rows(dy, rows), threshold)
+  if statistics is None:
+    poison = nan_if_not_finite(dy)
+  else:
+    listed_active = jnp.take(statistics.active, rows, mode="fill", fill_value=False)
     rows = jnp.sort(jnp.where(listed_active, rows, num_rows))
-  return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32),
-          nan_if_not_finite(dy))
+    poison = poison_of_row_max(statistics.max_abs)
+  return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32), poison,
+          statistics)
 
 
-def largest_rows(dy: Array, rows: Array, top_n: int, threshold: float) -> Array:
-  """The ``top_n`` of ``rows`` whose rows of ``dy`` have the largest L2 norm (NaN/Inf first),
+def largest_rows(rows: Array, top_n: int, statistics: RowStatistics) -> Array:
+  """The ``top_n`` of ``rows`` with the largest L2 norm (NaN/Inf first) by ``statistics``,
   sorted; inactive entries (and sentinels) rank last and come back as the sentinel."""
-  num_rows = dy.shape[0]
-  scores, _ = row_scores(gather_rows(dy, rows), threshold)
+  num_rows = statistics.scores.shape[0]
+  scores = jnp.take(statistics.scores, rows, mode="fill", fill_value=-1)
   best_scores, slots = lax.top_k(scores, top_n)
   return jnp.sort(jnp.where(best_scores >= 0, rows[slots], num_rows))
 
@@ -134,19 +149,21 @@ def _add(poison: Array | None, more: Array | None) -> Array | None:
   return more if poison is None else poison if more is None else poison + more
 
 
-def _record(row_log, dy: Array, kept: Array, count: Array, capacity: Array) -> None:
+def _record(row_log, statistics: RowStatistics, kept: Array, count: Array | None,
+            capacity: Array) -> None:
   """Sends one layer's row statistics to ``row_log`` (a :class:`sebp_jax.report.RowLog` entry
-  point) from inside the trace: active and kept rows, capacity run, dropped norm share, and
-  each row's max ``|value|`` and squared L2 norm."""
-  magnitudes = row_magnitudes(dy)
-  squared = jnp.sum(magnitudes * magnitudes, axis=1)
+  point) from inside the trace: active (``count``; None: every active row) and kept rows,
+  capacity run, dropped norm share, and each row's max ``|value|`` and squared L2 norm."""
+  if count is None:
+    count = jnp.sum(statistics.active, dtype=jnp.int32)
+  squared = statistics.squared_norm
   total = jnp.sum(squared)
   dropped = jnp.sum(jnp.where(kept, 0.0, squared))
   # NaN where dY is not finite; 0 where it is all zeros (nothing to drop).
   share = jnp.where(total == 0, 0.0, dropped / jnp.where(total == 0, 1.0, total))
   share = jnp.where(jnp.isfinite(total), share, jnp.nan)
   jax.debug.callback(row_log, count, jnp.sum(kept, dtype=jnp.int32), capacity, share,
-                     dy.shape[0], jnp.max(magnitudes, axis=1, initial=0), squared)
+                     squared.shape[0], statistics.max_abs, squared)
 
 
 def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
@@ -194,19 +211,22 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   if counted:
     plan = (num_candidates,)
   # ``active``: every active row, or None where ``rows`` are the kept rows and all of them.
+  # ``statistics``: the one pass over dY's rows that the selection and the row log share.
   if overflow == "drop" and active_rows is None and plan[0] < num_rows:
-    rows, active, count, poison = select_active_rows(dy, plan[0], threshold), None, None, None
+    statistics = row_statistics(dy, threshold)
+    rows = select_from_scores(statistics.scores, statistics.active, plan[0])
+    active, count, poison = None, None, None
   else:
     # The largest capacity below every row is the most any branch gathers.
     size = (max([c for c in plan if c < num_rows] or [1])
             if active_rows is None and not counted else num_candidates)
     overflows = overflow != "exact" and plan[0] < num_candidates
-    rows, active, count, poison = candidate_rows(
+    rows, active, count, poison, statistics = candidate_rows(
         dy, threshold=threshold, active_rows=active_rows, size=size,
         check_listed=len(plan) > 1 or overflows or row_log is not None)
     if overflows:
       if overflow == "drop":
-        rows = largest_rows(dy, rows, plan[0], threshold)
+        rows = largest_rows(rows, plan[0], statistics)
       else:
         poison = _add(poison, overflow_poison(count, plan[0]))
         rows = rows[:plan[0]]
@@ -253,10 +273,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   if overflow == "nan" and poison is not None:
     dx = dx + poison.astype(dx.dtype)  # The rows left out are missing from dX as well.
   if row_log is not None:
-    if count is None:
-      count = jnp.sum(row_scores(dy, threshold)[1], dtype=jnp.int32)
-    _record(row_log, dy, rows_mask(rows, num_rows) if active is None else active, count,
-            capacity)
+    _record(row_log, statistics, rows_mask(rows, num_rows) if active is None else active,
+            count, capacity)
   return dx, dkernel, dbias
 
 
@@ -286,20 +304,20 @@ def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int
   capacity = num_candidates if top_n == "auto" or overflow == "exact" else min(top_n,
                                                                                num_candidates)
   if overflow == "drop" and active_rows is None and capacity < num_rows:
-    rows, count, poison = select_active_rows(dy, capacity, threshold), None, None
+    statistics = row_statistics(dy, threshold)
+    rows = select_from_scores(statistics.scores, statistics.active, capacity)
+    count, poison = None, None
   else:
-    rows, _, count, poison = candidate_rows(
+    rows, _, count, poison, statistics = candidate_rows(
         dy, threshold=threshold, active_rows=active_rows, size=num_candidates,
         check_listed=capacity < num_candidates or row_log is not None)
     if overflow == "drop" and capacity < rows.shape[0]:
-      rows = largest_rows(dy, rows, capacity, threshold)
+      rows = largest_rows(rows, capacity, statistics)
     elif overflow == "nan" and capacity < rows.shape[0]:
       poison = _add(poison, overflow_poison(count, capacity))
       rows = rows[:capacity]
   if row_log is not None:
-    if count is None:
-      count = jnp.sum(row_scores(dy, threshold)[1], dtype=jnp.int32)
-    _record(row_log, dy, rows_mask(rows, num_rows), count, jnp.int32(rows.shape[0]))
+    _record(row_log, statistics, rows_mask(rows, num_rows), count, jnp.int32(rows.shape[0]))
   # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
   # are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
   ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))

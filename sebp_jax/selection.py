@@ -23,6 +23,8 @@ sorted, so the same dY always yields the same ``active_rows`` and the same summa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,6 +43,30 @@ def row_magnitudes(dy: Array) -> Array:
   return jnp.abs(dy).astype(score_dtype(dy.dtype))
 
 
+class RowStatistics(NamedTuple):
+  """What one pass over the rows of ``dy: [T, N]`` tells, each ``[T]``: the selection's
+  ``scores`` and ``active`` (:func:`row_scores`), and each row's ``max_abs`` and
+  ``squared_norm`` in :func:`score_dtype` (for the row log)."""
+  scores: Array
+  active: Array
+  max_abs: Array
+  squared_norm: Array
+
+
+def row_statistics(dy: Array, threshold: float) -> RowStatistics:
+  """Scores the rows of ``dy: [T, N]`` in one pass: :class:`RowStatistics`."""
+  magnitudes = row_magnitudes(dy)
+  squared_norm = jnp.sum(magnitudes * magnitudes, axis=-1)
+  max_abs = jnp.max(magnitudes, axis=-1, initial=0)
+  # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
+  # squares overflow the score dtype: it is huge, so ranking it first is right as well).
+  finite = jnp.isfinite(squared_norm)
+  active = (max_abs > threshold) | ~finite
+  scores = jnp.where(finite, squared_norm, jnp.inf)
+  scores = jnp.where(active, scores, -1.0)
+  return RowStatistics(scores, active, max_abs, squared_norm)
+
+
 def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
   """Scores the rows of ``dy: [T, N]``.
 
@@ -50,16 +76,8 @@ def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
     for a row holding NaN or Inf and ``-1`` for an inactive row; ``active`` is True for a row
     whose max ``|value|`` exceeds ``threshold`` or that is not finite.
   """
-  magnitudes = row_magnitudes(dy)
-  squared_norm = jnp.sum(magnitudes * magnitudes, axis=-1)
-  max_abs = jnp.max(magnitudes, axis=-1)
-  # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
-  # squares overflow the score dtype: it is huge, so ranking it first is right as well).
-  finite = jnp.isfinite(squared_norm)
-  active = (max_abs > threshold) | ~finite
-  scores = jnp.where(finite, squared_norm, jnp.inf)
-  scores = jnp.where(active, scores, -1.0)
-  return scores, active
+  statistics = row_statistics(dy, threshold)
+  return statistics.scores, statistics.active
 
 
 def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
@@ -69,8 +87,12 @@ def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
     ``active_rows: int32[top_n]``, the kept row indices in ascending order, followed by the
     sentinel ``T`` in every unused slot.
   """
-  num_rows = dy.shape[0]
-  scores, active = row_scores(dy, threshold)
+  return select_from_scores(*row_scores(dy, threshold), top_n)
+
+
+def select_from_scores(scores: Array, active: Array, top_n: int) -> Array:
+  """:func:`select_active_rows` from the rows' ``scores`` and ``active`` (:func:`row_scores`)."""
+  num_rows = scores.shape[0]
 
   def compact_all_active():
     (rows,) = jnp.nonzero(active, size=top_n, fill_value=num_rows)

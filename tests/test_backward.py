@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 
 from sebp_jax import RowLog
 from sebp_jax.backward import (capacities, embedding_backward, linear_backward,
@@ -91,6 +92,38 @@ def test_pallas_runs_one_branch_free_program_for_every_count(options):
   for count in COUNTS:
     x, kernel, dy = _problem(100 + count, num_nonzero=count)
     _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS))
+
+
+def _passes_over_rows(jaxpr) -> int:
+  """How many ``abs`` of a 2-D array (a pass that scores rows of dY) a jaxpr holds."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "abs" and eqn.invars[0].aval.ndim == 2
+    for sub in jaxprs_in_params(eqn.params):
+      count += _passes_over_rows(sub)
+  return count
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_n=10, overflow="drop"), dict(top_n="auto"), dict(top_n=10, overflow="drop",
+                                                              index=True),
+    dict(top_n="auto", index=True), dict(top_n=10, overflow="nan", index=True, threshold=0.1)])
+@pytest.mark.parametrize("logged", [False, True])
+def test_dy_is_scored_once_per_backward(options, logged):
+  """The selection (candidates, largest rows, the NaN check of an index's skipped rows) and
+  the row log share one pass over dY's rows."""
+  options = dict(options)
+  index = jnp.arange(0, NUM_ROWS, 2, dtype=jnp.int32) if options.pop("index", False) else None
+  x, kernel, dy = _problem(7, num_nonzero=20)
+  row_log = RowLog().for_layer("dense") if logged else None
+  backward = lambda x, kernel, dy: linear_backward(  # noqa: E731
+      x, kernel, dy, with_bias=True, backend="xla", active_rows=index, row_log=row_log,
+      **options)
+  assert _passes_over_rows(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr) == 1
+  embed = lambda dy: embedding_backward(  # noqa: E731
+      jnp.arange(NUM_ROWS) % 5, dy, num_embeddings=5, active_rows=index, row_log=row_log,
+      **options)
+  assert _passes_over_rows(jax.make_jaxpr(embed)(dy).jaxpr) == 1
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
