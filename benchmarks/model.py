@@ -17,6 +17,12 @@ batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest s
 tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
 that device (``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity).
+Every device holds the one-device batch's lengths (``--shard-lengths drawn``: its own, and
+``--balance`` evens them); ``--processes 4 --devices 4`` runs one process per GPU
+(``jax.distributed``) in place of one process driving all four. Each call is synced before
+the next (the host's dispatch timed too) unless ``--calls-per-repeat`` dispatches several
+back to back, as a training loop does; ``--stages step`` times the step alone;
+``--compiler-option`` passes XLA options to the runs on several devices.
 
 Modes:
   dense          fixed padding, dense backward
@@ -72,7 +78,10 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import pathlib
+import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -511,11 +520,10 @@ class Placement:
     mesh = data_parallel_mesh(devices)
     if mesh is not None:
       params = jax.device_put(params, param_shardings(params, mesh, fsdp))
-    opt_state = jax.jit(optimizer.init)(params)
-    if mesh is not None:
-      # The optimizer's step count, made on one device, replicated like the params.
-      opt_state = jax.tree.map(lambda a: a if len(a.sharding.device_set) == devices
-                               else jax.device_put(a, NamedSharding(mesh, P())), opt_state)
+    # The moments placed like the params, the step count replicated.
+    opt_shardings = None if mesh is None else param_shardings(
+        jax.eval_shape(optimizer.init, params), mesh, fsdp)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     return cls(params, opt_state, optimizer, mesh, fsdp)
 
   @property
@@ -600,9 +608,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
                 calls_per_repeat=calls_per_repeat,
                 backend=backend, devices=devices, fsdp=fsdp, balanced=balance,
-                shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options)
+                shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
+                processes=jax.process_count())
+  quiet = jax.process_index() != 0  # Several processes: the first one speaks for all.
   prepared, rows = [], []
-  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout):
+  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout,
+                   disable=quiet):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
                                     placement.sebp_sharding)
     try:
@@ -616,12 +627,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         raise
       row = record(**fields, mode=mode, error=f"out of memory: {str(error).splitlines()[0]}")
       rows.append(row)
-      append_json_lines(out, [row])
+      append_json_lines(None if quiet else out, [row])
       continue
     prepared.append((mode, host_batch, compiled_step, calls))
   samples = {mode: {stage: [] for stage in calls} for mode, _, _, calls in prepared}
   for _ in tqdm(range(rounds), desc=f"{kind} on {devices} device(s), timing", unit="round",
-                file=sys.stdout):
+                file=sys.stdout, disable=quiet):
     for mode, _, _, calls in prepared:
       for stage, (fn, args) in calls.items():
         samples[mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0,
@@ -653,7 +664,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
       if dense_peak and row["peak_bytes"]:
         row["peak_memory_vs_dense"] = row["peak_bytes"] / dense_peak
     rows.append(row)
-    append_json_lines(out, [row])
+    append_json_lines(None if quiet else out, [row])
   return rows
 
 
@@ -737,6 +748,40 @@ def print_best_batches(best) -> None:
           f"{'' if ratio is None else f'{ratio:.2f}x':>20}")
 
 
+def join_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+  """Joins the ``jax.distributed`` run of ``num_processes`` (Gloo collectives between CPU
+  devices); before anything starts JAX's backends."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def launch_processes(num_processes: int, argv: list[str], out: str | None) -> list[dict]:
+  """Runs this benchmark as ``num_processes`` processes of one device each (``GPU i`` for
+  process i) and waits for them; the first one prints and writes the records, which come
+  back from ``out``. A process that fails raises here with its output."""
+  with socket.socket() as probe:  # A free port for the coordinator.
+    probe.bind(("localhost", 0))
+    port = probe.getsockname()[1]
+  written = pathlib.Path(out).read_text().splitlines() if out and pathlib.Path(out).exists() else []
+  workers = []
+  for rank in range(num_processes):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+    command = [sys.executable, "-m", "benchmarks.model", *argv, "--process-id", str(rank),
+               "--coordinator", f"localhost:{port}"]
+    # The first process speaks; the others' output is kept for an error.
+    workers.append(subprocess.Popen(command, env=env, text=True,
+                                    stdout=None if rank == 0 else subprocess.PIPE,
+                                    stderr=None if rank == 0 else subprocess.STDOUT))
+  logs = [worker.communicate()[0] for worker in workers]
+  failed = [rank for rank, worker in enumerate(workers) if worker.returncode]
+  if failed:
+    raise RuntimeError(f"benchmark processes {failed} failed:\n"
+                       + "\n".join((logs[rank] or "(output above)")[-3000:] for rank in failed))
+  if not out:
+    return []
+  return [json.loads(line) for line in pathlib.Path(out).read_text().splitlines()[len(written):]]
+
+
 def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
   """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
   name, sep, value = text.partition("=")
@@ -797,6 +842,15 @@ def main(argv=None) -> list[dict]:
                       default=[], metavar="NAME=VALUE",
                       help="an XLA option the runs on several devices compile with, e.g. "
                            "xla_gpu_enable_latency_hiding_scheduler=true (repeatable)")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="run as this many processes of one device each (jax.distributed, "
+                           "GPU i for process i), started here; --devices must then be the "
+                           "processes' devices together")
+  parser.add_argument("--process-id", type=int, default=None,
+                      help="this process's rank among --processes started elsewhere (by a "
+                           "cluster's launcher), with --coordinator")
+  parser.add_argument("--coordinator", default=None,
+                      help="HOST:PORT of the first process's coordinator, with --process-id")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
@@ -806,6 +860,19 @@ def main(argv=None) -> list[dict]:
     parser.error("--balance reorders drawn lengths: add --shard-lengths drawn")
   if "step" not in args.stages:
     parser.error("--stages must include step")
+  if args.processes <= 0:
+    parser.error("--processes must be positive")
+  if (args.process_id is None) != (args.coordinator is None):
+    parser.error("--process-id and --coordinator go together")
+  if args.process_id is None and args.processes > 1:
+    return launch_processes(args.processes, list(sys.argv[1:] if argv is None else argv),
+                            args.out)
+  if args.process_id is not None:
+    join_processes(args.coordinator, args.processes, args.process_id)
+    if any(devices != jax.device_count() for devices in args.devices):
+      parser.error(f"--devices {','.join(map(str, args.devices))}: with --processes every "
+                   f"run spans all {jax.device_count()} devices of the processes")
+  quiet = jax.process_index() != 0
   rows = []
   for kind in args.model or sorted(SETUPS):
     for batch_size in args.batch_sizes or [None]:
@@ -819,9 +886,10 @@ def main(argv=None) -> list[dict]:
                    calls_per_repeat=args.calls_per_repeat)
         one_device = runs if devices == 1 else one_device
         rows += runs
-  print_table(rows)
-  if args.batch_sizes and len(args.batch_sizes) > 1:
-    print_best_batches(best_batches(rows))
+  if not quiet:
+    print_table(rows)
+    if args.batch_sizes and len(args.batch_sizes) > 1:
+      print_best_batches(best_batches(rows))
   return rows
 
 

@@ -127,7 +127,7 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
   has none); SEBP's step, packed or not, gathers and reduces exactly as the dense one
   does."""
   out = tmp_path / "model.jsonl"
-  modes = ["dense", "sebp_shared", "sebp_packed", "longest_dense_fast_attention"]
+  modes = ["dense", "sebp_shared", "sebp_packed"]
   rows = model.main(["--tiny", "--model", "bert", "--modes", ",".join(modes + ["sebp_lm_head"]),
                      "--devices", "1,2", "--fsdp", "--repeats", "1", "--rounds", "2",
                      "--out", str(out)])
@@ -397,6 +397,29 @@ def test_balance_benchmark_evens_the_fullest_shard():
   assert one["fullest_over_mean_drawn"] == one["fullest_over_mean_balanced"] == 1.0
   assert four["fullest_over_mean_balanced"] < four["fullest_over_mean_drawn"]
   assert four["worst_balanced"] <= four["worst_drawn"]
+
+
+@pytest.mark.slow
+def test_model_benchmark_runs_as_several_processes(tmp_path, monkeypatch):
+  """--processes 2: two processes of one device each (jax.distributed, Gloo on CPU), the
+  packed step and the dense one over both; the first process writes the records, with the
+  same collectives for both modes. A --devices that is not every process's device is
+  refused, naming the argument."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # One host device per process.
+  out = tmp_path / "model.jsonl"
+  rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_packed",
+                     "--processes", "2", "--devices", "2", "--stages", "step", "--repeats",
+                     "1", "--rounds", "1", "--out", str(out)])
+  assert [(r["mode"], r["devices"], r["processes"]) for r in rows] == [
+      ("dense", 2, 2), ("sebp_packed", 2, 2)]
+  assert len(out.read_text().splitlines()) == 2
+  dense, packed = rows
+  assert packed["step_ms"] > 0 and dense["collectives"] == {"all-reduce": 1}
+  assert packed["collectives"] == dense["collectives"]
+  assert packed["collective_bytes"] == dense["collective_bytes"]
+  with pytest.raises(RuntimeError, match="--devices 1: with --processes"):
+    model.main(["--tiny", "--model", "bert", "--modes", "dense", "--processes", "2",
+                "--devices", "1"])
 
 
 def test_shards_hold_the_one_device_lengths_or_their_own():

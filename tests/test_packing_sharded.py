@@ -3,6 +3,10 @@ packs its own rows, the gradient is one device's dense gradient, and the step ha
 step's collectives. 4 forced host devices (tests/conftest.py)."""
 
 import functools
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -25,6 +29,10 @@ VOCAB, BATCH, LENGTH, SHARDS = 64, 8, 12, 4
 
 @pytest.fixture(scope="module")
 def models():
+  return tiny_models()
+
+
+def tiny_models():
   llama = FlaxLlamaForCausalLM(LlamaConfig(
       vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64), seed=2)
@@ -67,9 +75,10 @@ def _loss(model, kind, capacity=None, sebp=None):
   return loss
 
 
-@pytest.mark.parametrize("attention", ["mask", "rows"])
-@pytest.mark.parametrize("kind,layout", [("bert", "right"), ("llama", "right"),
-                                         ("llama", "left"), ("llama", "holes")])
+# Both attention methods on the right-padded Llama; each other layout with one of them.
+@pytest.mark.parametrize("kind,layout,attention", [
+    ("bert", "right", "rows"), ("llama", "right", "mask"), ("llama", "right", "rows"),
+    ("llama", "left", "rows"), ("llama", "holes", "mask")])
 def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives(models, kind, layout,
                                                                       attention):
   model = models[kind]
@@ -87,6 +96,31 @@ def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives(models, ki
   dense = jax.jit(jax.value_and_grad(_loss(model, kind)))
   assert (collective_counts(packed.lower(*args).compile())
           == collective_counts(dense.lower(*args).compile()))
+
+
+def test_packing_runs_with_one_process_per_pair_of_devices(models, tmp_path):
+  """`jax.distributed`: 2 processes of 2 host devices each (Gloo collectives), every process
+  holding the whole batch and placing its own shards, pack per device and give one device's
+  gradient, as one process of 4 devices does."""
+  model = models["llama"]
+  ids, mask, labels = _batch(3)
+  want_loss, want = jax.value_and_grad(_loss(model, "llama"))(model.params, ids, mask, labels)
+  with socket.socket() as probe:  # A free port for the coordinator.
+    probe.bind(("localhost", 0))
+    port = probe.getsockname()[1]
+  out = tmp_path / "grads.npz"
+  env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+  workers = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_packing", str(rank),
+                               "2", str(port), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+  logs = [worker.communicate(timeout=600)[0] for worker in workers]
+  assert [worker.returncode for worker in workers] == [0, 0], logs
+  got = np.load(out)
+  np.testing.assert_allclose(got["loss"], want_loss, rtol=1e-5)
+  leaves = jax.tree.leaves(want)
+  assert_every_gradient_close([got[f"leaf_{i}"] for i in range(len(leaves))], leaves,
+                              rtol=2e-5)
 
 
 def test_fsdp_with_packing_communicates_as_the_dense_fsdp_step(models):
