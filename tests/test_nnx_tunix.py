@@ -49,9 +49,10 @@ def _loss(model, ids, mask, sebp_kwargs=None):
   return masked_causal_lm_loss(logits, ids, mask)
 
 
-@pytest.mark.parametrize("weight_tying,remat", [(False, "NONE"), (True, "BLOCK"),
-                                                (False, "DECODER")])
-@pytest.mark.parametrize("shared_index", [False, True])
+# Each way of tying and remat with the shared index; the own rows of each layer once.
+@pytest.mark.parametrize("weight_tying,remat,shared_index", [
+    (False, "NONE", False), (False, "NONE", True), (True, "BLOCK", True),
+    (False, "DECODER", True)])
 def test_tunix_llama_gradients_equal_nnx_grad(weight_tying, remat, shared_index):
   model = _tiny_llama(weight_tying, remat)
   ids, mask = _batch(0)
@@ -98,8 +99,9 @@ def test_a_dropped_row_changes_the_gradient():
   assert jnp.isfinite(kernel(fewer)).all()
 
 
-@pytest.mark.parametrize("attention", ["mask", "rows"])
-@pytest.mark.parametrize("padding", ["right", "left", "holes"])
+# Both attention methods on right padding; each other padding with one of them.
+@pytest.mark.parametrize("padding,attention", [("right", "mask"), ("right", "rows"),
+                                               ("left", "rows"), ("holes", "mask")])
 def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
   """Tunix's Llama on the real tokens only (`pack_decoder_inputs`, through `tunix_logits`
   with a capacity), its attention per sequence by either method: the padded batch's logits
