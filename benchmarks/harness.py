@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,6 +54,13 @@ def over_input_sets(fn: Callable) -> Callable:
   distinct inputs keep a repeated evaluation from reading its operands out of L2.
   """
   return lambda *input_sets: [fn(*inputs) for inputs in input_sets]
+
+
+def free_port() -> int:
+  """A free TCP port on this host, for a ``jax.distributed`` coordinator."""
+  with socket.socket() as probe:
+    probe.bind(("localhost", 0))
+    return probe.getsockname()[1]
 
 
 def record(**fields) -> dict:

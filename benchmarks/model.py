@@ -80,7 +80,6 @@ import functools
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -95,8 +94,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from benchmarks.harness import (append_json_lines, median_ms, parse_positive_ints, parse_subset,
-                                record)
+from benchmarks.harness import (append_json_lines, free_port, median_ms, parse_positive_ints,
+                                parse_subset, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -759,9 +758,7 @@ def launch_processes(num_processes: int, argv: list[str], out: str | None) -> li
   """Runs this benchmark as ``num_processes`` processes of one device each (``GPU i`` for
   process i) and waits for them; the first one prints and writes the records, which come
   back from ``out``. A process that fails raises here with its output."""
-  with socket.socket() as probe:  # A free port for the coordinator.
-    probe.bind(("localhost", 0))
-    port = probe.getsockname()[1]
+  port = free_port()
   written = pathlib.Path(out).read_text().splitlines() if out and pathlib.Path(out).exists() else []
   workers = []
   for rank in range(num_processes):

@@ -4,7 +4,6 @@ step's collectives. 4 forced host devices (tests/conftest.py)."""
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
                           LlamaConfig)
 
+from benchmarks.harness import free_port
 from sebp_jax import pack_decoder_inputs, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
 from sebp_jax.packing import gather_tokens, pack_layout, packed_attention, scatter_tokens
@@ -105,9 +105,7 @@ def test_packing_runs_with_one_process_per_pair_of_devices(models, tmp_path):
   model = models["llama"]
   ids, mask, labels = _batch(3)
   want_loss, want = jax.value_and_grad(_loss(model, "llama"))(model.params, ids, mask, labels)
-  with socket.socket() as probe:  # A free port for the coordinator.
-    probe.bind(("localhost", 0))
-    port = probe.getsockname()[1]
+  port = free_port()
   out = tmp_path / "grads.npz"
   env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
   workers = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_packing", str(rank),
