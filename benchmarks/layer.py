@@ -10,8 +10,10 @@ device JAX sees, as ``jax.vjp`` of its forward (XLA drops the unused forward dot
 * ``dense``: ``x @ W + b`` in plain jnp, the full backward;
 * ``xla`` / ``pallas`` / ``auto``: :func:`sebp_jax.sebp_linear` with that backend, the index
   ``selected`` from dY inside the backward (``top_n`` = the kept rows, ``overflow="drop"``)
-  or ``given`` (precomputed), or ``top_n="auto"`` (``auto_capacity``: the capacity that
-  holds the kept rows, chosen at run time by a ``lax.switch``);
+  or ``given`` (precomputed); ``auto`` and ``pallas`` also with ``top_n="auto"``
+  (``auto_capacity``: ``pallas`` runs once, its kernels following the run-time count;
+  ``auto`` does so where the cost model predicts it ahead, else runs the capacity that holds
+  the kept rows, chosen at run time by a ``lax.switch``);
 * ``kept_matmuls``: the op's dense backward of the kept rows alone, handed over as contiguous
   ``[K, D]`` / ``[K, N]`` arrays (index ``pregathered``): what the reduced matmuls cost with
   no selection, gather or spread, the floor of any implementation built on cuBLAS-class
@@ -147,8 +149,10 @@ def variants(case: Case):
     fn = sebp_backward(backend, case.num_kept)
     yield backend, "selected", fn, (x, kernel, bias, dy)
     yield backend, "given", fn, (x, kernel, bias, dy, rows)
-  # The defaults: top_n="auto", backend="auto".
-  yield "auto", "auto_capacity", sebp_backward("auto", "auto"), (x, kernel, bias, dy)
+  # top_n="auto": with the defaults (the cost model's choice) and with the kernels that run
+  # once, at every row, and follow the run-time count.
+  for backend in ("auto", "pallas"):
+    yield backend, "auto_capacity", sebp_backward(backend, "auto"), (x, kernel, bias, dy)
   x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
   dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
   yield ("kept_matmuls", "pregathered", sebp_backward("dense", case.num_kept),
@@ -262,7 +266,8 @@ def print_table(records):
   """One line per case: times; speedups over dense (index selected, and auto
   selected / given / top_n="auto"); Pallas over XLA (selected, then given); XLA and Pallas
   (selected) time over their roofline; XLA (index given) over the kept rows'
-  matmuls alone."""
+  matmuls alone; Pallas at top_n="auto" (one run, following the run-time count) over XLA at
+  the kept rows' capacity (selected), the capacity a host would pick."""
   by_case = {}
   for r in records:
     key = (r["shape"], r["tokens"], r["kept_percent"])
@@ -272,7 +277,7 @@ def print_table(records):
             f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal-s':>9} "
             f"{'xla/pal-g':>9} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} "
             f"{'auto-cap':>8} | "
-            f"{'matmuls':>7} {'xla-giv/mm':>10}")
+            f"{'matmuls':>7} {'xla-giv/mm':>10} | {'pal-cap':>7} {'xla-s/pal-cap':>13}")
   print(header)
   print("-" * len(header))
   for (shape, tokens, kept), v in by_case.items():
@@ -290,7 +295,9 @@ def print_table(records):
           f"{v['auto', 'given']['speedup_over_dense']:7.2f}x "
           f"{v['auto', 'auto_capacity']['speedup_over_dense']:7.2f}x | "
           f"{ms['kept_matmuls', 'pregathered']:7.3f} "
-          f"{ms['xla', 'given'] / ms['kept_matmuls', 'pregathered']:9.2f}x")
+          f"{ms['xla', 'given'] / ms['kept_matmuls', 'pregathered']:9.2f}x | "
+          f"{ms['pallas', 'auto_capacity']:7.3f} "
+          f"{ms['xla', 'selected'] / ms['pallas', 'auto_capacity']:12.2f}x")
 
 
 if __name__ == "__main__":

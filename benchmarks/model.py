@@ -439,10 +439,32 @@ def make_nnx_loss(model: NNXModel, mode: str, top_n: int, backend: str, host_mas
   return loss_fn
 
 
+def split_mode(mode: str, backend: str) -> tuple[str, str]:
+  """``(mode, backend)`` of a mode name, ``MODE`` or ``MODE@BACKEND`` (the SEBP backend of
+  this mode alone, in place of ``backend``)."""
+  name, _, own_backend = mode.partition("@")
+  return name, own_backend or backend
+
+
+def parse_modes(text: str) -> list[str]:
+  """A comma list of distinct modes, each out of :data:`MODES`, optionally ``@BACKEND``."""
+  backends = ("auto", *implementation_names())
+  modes = [mode for mode in text.split(",") if mode]
+  for mode in modes:
+    name, backend = split_mode(mode, "auto")
+    if name not in MODES or backend not in backends:
+      raise argparse.ArgumentTypeError(
+          f"{mode!r}: expected a mode out of {','.join(MODES)}, optionally @BACKEND with "
+          f"BACKEND out of {','.join(backends)}")
+  return parse_subset(text, choices=modes)
+
+
 def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: int,
               backend: str, sharding: dict | None = None):
   """``(batch, loss)`` of ``mode`` as the benchmark runs it: the host batch cut to its longest
-  row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch."""
+  row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch.
+  ``MODE@BACKEND`` runs ``MODE`` with that SEBP backend in place of ``backend``."""
+  mode, backend = split_mode(mode, backend)
   host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
   mask = host_batch["attention_mask"]
   num_shards = sharding["mesh"].size if sharding else 1
@@ -599,9 +621,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
   placement = Placement.make(params, devices, fsdp)
   if not setup.has_lm_head:
-    modes = [m for m in modes if m not in LM_HEAD_MODES]
+    modes = [m for m in modes if split_mode(m, backend)[0] not in LM_HEAD_MODES]
   if setup.nnx:
-    modes = [m for m in modes if m in NNX_MODES]
+    modes = [m for m in modes if split_mode(m, backend)[0] in NNX_MODES]
   fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size,
                 top_n=top_n, compute_dtype="bfloat16",
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
@@ -624,7 +646,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     except jax.errors.JaxRuntimeError as error:
       if "RESOURCE_EXHAUSTED" not in str(error):
         raise
-      row = record(**fields, mode=mode, error=f"out of memory: {str(error).splitlines()[0]}")
+      row = record(**{**fields, "backend": split_mode(mode, backend)[1]}, mode=mode, error=f"out of memory: {str(error).splitlines()[0]}")
       rows.append(row)
       append_json_lines(None if quiet else out, [row])
       continue
@@ -641,7 +663,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   for mode, host_batch, compiled_step, _ in prepared:
     timed = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()})
     row = record(
-        **fields, mode=mode, padded_length=host_batch["input_ids"].shape[1],
+        **{**fields, "backend": split_mode(mode, backend)[1]}, mode=mode, padded_length=host_batch["input_ids"].shape[1],
         real_tokens=int(np.count_nonzero(host_batch["attention_mask"])),
         rows=int(host_batch["input_ids"].size),
         **{name: float(np.median(ms)) for name, ms in timed.items()},
@@ -799,8 +821,9 @@ def main(argv=None) -> list[dict]:
                                    epilog=__doc__.split("\n\n", 1)[1])
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="model(s) to run (default: all)")
-  parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
-                      default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--modes", type=parse_modes, default=list(MODES),
+                      help=f"comma-separated subset of {','.join(MODES)}, each optionally "
+                           "@BACKEND (that mode's SEBP backend, in place of --backend)")
   parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
   parser.add_argument("--repeats", type=int, default=3,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import logging
 import os
@@ -41,9 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import xla_bridge
 
-from benchmarks.harness import parse_subset
 from benchmarks.model import (MODES, SETUPS, Placement, build_model, make_batch, mode_loss,
-                              setup_for)
+                              parse_modes, setup_for)
 from sebp_jax.sharding import shard_row_counts
 from sebp_jax.implementations import implementation_names
 
@@ -226,9 +224,9 @@ def main(argv=None) -> dict:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="model(s) to trace (default: bert)")
-  parser.add_argument("--modes", type=functools.partial(parse_subset, choices=MODES),
-                      default=["dense", "sebp_shared"],
-                      help=f"comma-separated subset of {','.join(MODES)}")
+  parser.add_argument("--modes", type=parse_modes, default=["dense", "sebp_shared"],
+                      help=f"comma-separated subset of {','.join(MODES)}, each optionally "
+                           "@BACKEND")
   parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
   parser.add_argument("--by", choices=("op", "kernel"), default="op",

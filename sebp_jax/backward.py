@@ -9,9 +9,11 @@ Each backward takes the output gradient flattened to ``dy: [T, F]`` and
    ``overflow="drop"`` and the row log's statistics;
 2. picks, from static shapes, the capacities it may run at (:func:`capacities`): with
    ``overflow="exact"`` one that holds every active row is taken at run time (a
-   ``lax.switch``), the last being the dense backward of the active rows; except where the
-   backend's cost follows the rows its index lists (``follows_count``, the Pallas kernels):
-   then one index as long as every candidate row serves every count, with no branch;
+   ``lax.switch``), the last being the dense backward of the active rows; except where
+   :func:`sebp_jax.cost_model.choose_counted` picks a backend whose cost follows the rows
+   its index lists (``follows_count``, the Pallas kernels: asked for, or on a GPU where the
+   cost model predicts it ahead): then one index as long as every candidate row serves
+   every count, with no branch;
 3. computes the gradients from the kept rows alone: :func:`linear_backward` through the
    implementation that :func:`sebp_jax.cost_model.choose_implementation` picks,
    :func:`embedding_backward` by a scatter of the kept rows into the table.
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sebp_jax.cost_model import choose_implementation
+from sebp_jax.cost_model import choose_counted, choose_implementation
 from sebp_jax.implementations import accumulation_dtype, gather_rows, get_implementation
 from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
                                 select_from_scores)
@@ -206,8 +208,10 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
         dkernel_dtype=dkernel_dtype)
   dy = first_order_only(dy)
   # A backend whose cost follows the listed rows runs once, on an index of every candidate.
-  counted = (len(plan) > 1 and backend != "auto"
-             and get_implementation(backend).follows_count)
+  counted_backend = choose_counted(backend, plan=plan, num_rows=num_rows,
+                                   in_features=in_features, out_features=kernel.shape[1],
+                                   itemsize=dy.dtype.itemsize)
+  counted = counted_backend is not None
   if counted:
     plan = (num_candidates,)
   # ``active``: every active row, or None where ``rows`` are the kept rows and all of them.
@@ -236,7 +240,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
 
   def run_at(capacity: int):
     if counted:
-      name = backend
+      name = counted_backend
     elif capacity >= num_rows:
       name = "dense"
     else:

@@ -243,7 +243,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       runs ``"xla"``, except that on GPU it runs the dense backward where a cost model of the
       layer's static shapes predicts SEBP slower (:mod:`sebp_jax.cost_model`). ``"pallas"``
       needs no run-time branch: where a capacity would be chosen at run time it takes an
-      index of every candidate row, its kernels' work following the rows listed.
+      index of every candidate row, its kernels' work following the rows listed; ``"auto"``
+      takes that path too on GPU, for 16-bit operands, where the cost model predicts it
+      ahead of the branch.
     active_rows: optional ``int32[K]`` index of the rows that may be active, sorted and padded
       with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`); rows not
       listed count as inactive, so that several layers can share one selection from a token

@@ -2,13 +2,16 @@
 check of a given index, the row log, and the gradients it returns through each
 implementation, against the float64 numpy reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend.core import jaxprs_in_params
 
-from sebp_jax import RowLog
+from sebp_jax import RowLog, cost_model
+from sebp_jax import backward as backward_module
 from sebp_jax.backward import (capacities, embedding_backward, linear_backward,
                                nan_if_not_finite)
 from sebp_jax.selection import capacity_ladder
@@ -92,6 +95,27 @@ def test_pallas_runs_one_branch_free_program_for_every_count(options):
   for count in COUNTS:
     x, kernel, dy = _problem(100 + count, num_nonzero=count)
     _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS))
+
+
+def test_auto_on_a_gpu_runs_the_counted_kernels_where_the_cost_model_says(monkeypatch):
+  """``backend="auto"`` takes the branch-free Pallas path for 16-bit operands on a GPU (the
+  platform faked for the choice alone: the kernels run interpreted here), exact at every
+  count; float32 keeps the branch."""
+  monkeypatch.setattr(backward_module, "choose_counted",
+                      functools.partial(cost_model.choose_counted, platform="gpu"))
+
+  def backward(x, kernel, dy):
+    return linear_backward(x, kernel, dy, with_bias=True, backend="auto", top_n="auto")
+
+  x, kernel, dy = _problem(0)
+  assert "cond" in branches(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr)
+  as_bf16 = lambda *arrays: [a.astype(jnp.bfloat16) for a in arrays]  # noqa: E731
+  assert branches(jax.make_jaxpr(backward)(*as_bf16(x, kernel, dy)).jaxpr) == []
+  compiled = jax.jit(backward)
+  for count in (0, 1, 9, 33, 64):
+    x, kernel, dy = as_bf16(*_problem(200 + count, num_nonzero=count))
+    _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS),
+                          tolerance=1e-2)
 
 
 def _passes_over_rows(jaxpr) -> int:

@@ -238,6 +238,7 @@ def test_layer_benchmark_records(tmp_path, capsys):
   records = [json.loads(line) for line in out.read_text().splitlines()]
   variants = {(r["backend"], r["index"]) for r in records}
   assert variants == {("dense", None), ("kept_matmuls", "pregathered"), ("auto", "auto_capacity"),
+                      ("pallas", "auto_capacity"),
                       *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
   # The table shows both backends' time over the roofline, as recorded.
@@ -451,6 +452,30 @@ def test_compiler_options_parse_as_xla_values():
   for text in ("xla_e", "=1"):
     with pytest.raises(harness.argparse.ArgumentTypeError, match="NAME=VALUE"):
       model.parse_compiler_option(text)
+
+
+def test_modes_take_a_backend_of_their_own():
+  assert model.parse_modes("dense,sebp_auto@pallas,sebp_auto") == [
+      "dense", "sebp_auto@pallas", "sebp_auto"]
+  assert model.split_mode("sebp_auto@pallas", "auto") == ("sebp_auto", "pallas")
+  assert model.split_mode("sebp_auto", "xla") == ("sebp_auto", "xla")
+  for text in ("sebp_auto@triton", "sebp@pallas", "dense,dense", ""):
+    with pytest.raises(harness.argparse.ArgumentTypeError):
+      model.parse_modes(text)
+
+
+def test_a_mode_with_its_own_backend_runs_and_records_it(monkeypatch):
+  """``MODE@BACKEND`` builds MODE's loss with that backend; the record names it."""
+  built = []
+  real_make_loss = model.make_loss
+  monkeypatch.setattr(model, "make_loss", lambda kind, net, mode, top_n, backend, *a, **k: (
+      built.append((mode, backend)) or real_make_loss(kind, net, mode, top_n, backend, *a, **k)))
+  rows = model.main(["--tiny", "--model", "bert", "--modes", "sebp_auto@xla,sebp_auto",
+                     "--backend", "dense", "--stages", "step", "--repeats", "1",
+                     "--rounds", "1"])
+  assert built == [("sebp_auto", "xla"), ("sebp_auto", "dense")]
+  assert [(r["mode"], r["backend"]) for r in rows] == [("sebp_auto@xla", "xla"),
+                                                       ("sebp_auto", "dense")]
 
 
 def test_timeline_unions_overlapping_intervals():
