@@ -190,7 +190,7 @@ def _gathered_dx_kernel(
     dy_ref,  # [T, N]
     kernel_ref,  # [D, N]
     dx_ref,  # [K, D] (output)
-    *, block_sizes: BlockSizes, compute_dtype, precision):
+    *, block_sizes: BlockSizes, compute_dtype, precision, zero_sentinel_slots: bool):
   num_rows, n = dy_ref.shape
   d = kernel_ref.shape[0]
   num_slots = active_rows_ref.shape[0]
@@ -203,7 +203,8 @@ def _gathered_dx_kernel(
   out_mask = (slots < num_slots)[:, None] & d_in[None, :]
 
   # Rows are sorted with sentinels last, so a block is all padding iff its
-  # first row is the sentinel: it skips the whole N loop and stores zeros.
+  # first row is the sentinel: it skips the whole N loop, and stores zeros
+  # only if asked (an index as long as T is mostly such blocks).
   first_row = active_rows_ref[jnp.minimum(row_block * block_rows,
                                           num_slots - 1)]
 
@@ -233,10 +234,11 @@ def _gathered_dx_kernel(
                 jnp.where(row_in[:, None], acc, 0.0).astype(dx_ref.dtype),
                 mask=out_mask)
 
-  @pl.when(first_row >= num_rows)
-  def _zero_padding_slots():
-    plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
-                jnp.zeros((block_rows, block_d), dx_ref.dtype), mask=out_mask)
+  if zero_sentinel_slots:
+    @pl.when(first_row >= num_rows)
+    def _zero_padding_slots():
+      plgpu.store(dx_ref.at[slots[:, None], d_idx[None, :]],
+                  jnp.zeros((block_rows, block_d), dx_ref.dtype), mask=out_mask)
 
 
 def _gathered_dw_db_kernel(
@@ -338,7 +340,7 @@ def _compiler_params(block_sizes: BlockSizes):
 
 
 def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
-                      interpret: bool, precision):
+                      interpret: bool, precision, zero_sentinel_slots: bool):
   # K >= 1 here: gathered_dx answers an empty index itself.
   active_rows = active_rows.astype(jnp.int32)
   num_slots = active_rows.shape[0]
@@ -351,7 +353,8 @@ def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
   compute_dtype = jnp.promote_types(dy.dtype, kernel.dtype)
   body = functools.partial(
       _gathered_dx_kernel, block_sizes=block_sizes, compute_dtype=compute_dtype,
-      precision=_dot_precision(precision, dy.dtype, kernel.dtype))
+      precision=_dot_precision(precision, dy.dtype, kernel.dtype),
+      zero_sentinel_slots=zero_sentinel_slots)
   return pl.pallas_call(
       body,
       grid=grid,
@@ -414,10 +417,10 @@ def _gathered_dw_db_call(x, dy, active_rows, poison, *, with_bias: bool,
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_sizes", "interpret", "precision"))
+    jax.jit, static_argnames=("block_sizes", "interpret", "precision", "zero_sentinel_slots"))
 def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
                 block_sizes: BlockSizes | None = None, interpret: bool = False,
-                precision=None) -> jax.Array:
+                precision=None, zero_sentinel_slots: bool = True) -> jax.Array:
   """dx for the selected rows of dy, as the ``K`` kept rows in slot order.
 
   The caller places them at their rows (a gather through the inverse index
@@ -433,10 +436,16 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
       ``default_block_sizes``.
     interpret: run the Pallas interpreter (CPU) instead of compiling.
     precision: dot precision; ``None`` means full float32 for float32 operands.
+    zero_sentinel_slots: write zeros to the sentinel slots; False leaves the
+      blocks of sentinel slots unwritten, for a caller that never reads them
+      (a spread through the inverse index), which saves writing ``K x D``
+      where the index is much longer than its rows.
 
   Returns:
     ``[K, D]`` in ``dy.dtype``: slot ``k`` holds ``dy[active_rows[k]] @
-    kernel.T`` (float32 accumulation), sentinel slots hold exactly 0.
+    kernel.T`` (float32 accumulation), sentinel slots hold exactly 0 (with
+    ``zero_sentinel_slots=False``: those in a block with a listed row; the
+    others are unspecified).
   """
   num_rows, n = dy.shape
   d, kernel_n = kernel.shape
@@ -451,7 +460,8 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
       block_sizes, block_d=_fit(block_sizes.block_d, d),
       block_n=_fit(block_sizes.block_n, n))
   return _gathered_dx_call(dy, kernel, active_rows, block_sizes=block_sizes,
-                           interpret=interpret, precision=precision)
+                           interpret=interpret, precision=precision,
+                           zero_sentinel_slots=zero_sentinel_slots)
 
 
 @functools.partial(

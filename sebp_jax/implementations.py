@@ -164,13 +164,14 @@ def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poiso
 
 def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
                     dkernel_dtype=None):
-  """The Pallas kernels: dX as its kept rows, spread by the fusible gather of ``"xla"``; the
-  poison as the start of the dW kernel's sums."""
+  """The Pallas kernels: dX as its kept rows, spread by the fusible gather of ``"xla"`` (which
+  reads no sentinel slot, so the kernel leaves their blocks unwritten); the poison as the
+  start of the dW kernel's sums."""
   import pallas_kernels  # Lazily: the other implementations must not pay for its import.
 
   interpret = jax.default_backend() != "gpu"
   dx_kept = pallas_kernels.gathered_dx(dy, kernel, active_rows, precision=precision,
-                                       interpret=interpret)
+                                       interpret=interpret, zero_sentinel_slots=False)
   accumulate = accumulation_dtype(dy.dtype)
   dkernel, dbias = pallas_kernels.gathered_dw_db(
       x, dy, active_rows, with_bias=with_bias, poison=poison, precision=precision,

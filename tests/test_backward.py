@@ -97,6 +97,16 @@ def test_pallas_runs_one_branch_free_program_for_every_count(options):
     _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS))
 
 
+@pytest.mark.parametrize("count", [0, 5, 130])
+def test_counted_dx_never_reads_the_slots_the_kernel_leaves_unwritten(count):
+  """An index of 384 slots spans several of the dX kernel's row blocks; those of sentinels
+  alone are left unwritten (NaN when interpreted), and dX is still exact and finite."""
+  x, kernel, dy = _problem(300 + count, num_nonzero=count, num_rows=384)
+  grads = _backward(x, kernel, dy, top_n="auto", backend="pallas")
+  assert all(np.all(np.isfinite(g)) for g in grads)
+  _assert_grads_of_rows(grads, x, kernel, dy, np.arange(384))
+
+
 def test_auto_on_a_gpu_runs_the_counted_kernels_where_the_cost_model_says(monkeypatch):
   """``backend="auto"`` takes the branch-free Pallas path for 16-bit operands on a GPU (the
   platform faked for the choice alone: the kernels run interpreted here), exact at every

@@ -229,6 +229,12 @@ def test_an_index_of_every_row_does_the_work_of_its_rows(num_selected):
   assert np.all(dx_kept[num_selected:] == 0.0)
   assert _relative_error(dx_kept[:num_selected],
                          _f64(dy)[rows] @ _f64(kernel).T) < TOLERANCE[jnp.float32]
+  # Blocks of sentinel slots left unwritten: the listed slots, and the sentinel slots of the
+  # blocks that hold rows, are as before.
+  unzeroed = _f64(gathered_dx(dy, kernel, active_rows, block_sizes=SMALL_BLOCKS,
+                              interpret=INTERPRET, zero_sentinel_slots=False))
+  written = -(-num_selected // SMALL_BLOCKS.block_rows) * SMALL_BLOCKS.block_rows
+  np.testing.assert_array_equal(unzeroed[:written], dx_kept[:written])
 
 
 # One (D, N) in each class of the default tile tables, for dx (N >= 2048 and D >= 2048; N >=
