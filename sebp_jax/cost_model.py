@@ -77,11 +77,11 @@ class GpuCostModel:
 
   def counted_seconds(self, num_rows, in_features, out_features, count, itemsize) -> float:
     """The kernels run once over an index of every row, ``count`` of them listed: their
-    matmuls and gathers follow the count; dX's slots are written for every row (zeros past
-    the count) and spread; the scoring pass reads all of dY."""
+    matmuls, gathers and dX's kept rows follow the count; the spread writes dX whole; the
+    scoring pass reads all of dY."""
     flops = 4 * count * in_features * out_features
-    moved = itemsize * (2 * count * out_features + count * in_features
-                        + 2 * in_features * out_features + 2 * num_rows * in_features
+    moved = itemsize * (2 * count * out_features + 2 * count * in_features
+                        + 2 * in_features * out_features + num_rows * in_features
                         + num_rows * out_features)
     return (self.sparse_fixed_s + self.selection_fixed_s + flops / self.counted_flops_per_s
             + moved / self.bytes_per_s)
