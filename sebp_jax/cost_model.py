@@ -74,7 +74,6 @@ class GpuCostModel:
     return sparse * self.margin < self.dense_seconds(num_rows, in_features, out_features,
                                                      itemsize)
 
-
   def counted_seconds(self, num_rows, in_features, out_features, count, itemsize) -> float:
     """The kernels run once over an index of every row, ``count`` of them listed: their
     matmuls, gathers and dX's kept rows follow the count; the spread writes dX whole; the
@@ -150,6 +149,7 @@ def choose_counted(backend: str, *, plan: tuple[int, ...], num_rows: int, in_fea
   if backend != "auto":
     return backend if get_implementation(backend).follows_count else None
   if ((platform or jax.default_backend()) == "gpu" and itemsize == 2
+      and get_implementation(COUNTED_BACKEND).follows_count
       and GPU_COST_MODEL.counted_wins(num_rows, in_features, out_features, plan, itemsize)):
     return COUNTED_BACKEND
   return None
