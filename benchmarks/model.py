@@ -631,6 +631,10 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 backend=backend, devices=devices, fsdp=fsdp, balanced=balance,
                 shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
                 processes=jax.process_count())
+
+  def fields_of(mode: str) -> dict:
+    return {**fields, "backend": split_mode(mode, backend)[1]}
+
   quiet = jax.process_index() != 0  # Several processes: the first one speaks for all.
   prepared, rows = [], []
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout,
@@ -646,7 +650,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     except jax.errors.JaxRuntimeError as error:
       if "RESOURCE_EXHAUSTED" not in str(error):
         raise
-      row = record(**{**fields, "backend": split_mode(mode, backend)[1]}, mode=mode, error=f"out of memory: {str(error).splitlines()[0]}")
+      row = record(**fields_of(mode), mode=mode,
+                   error=f"out of memory: {str(error).splitlines()[0]}")
       rows.append(row)
       append_json_lines(None if quiet else out, [row])
       continue
@@ -663,7 +668,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   for mode, host_batch, compiled_step, _ in prepared:
     timed = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()})
     row = record(
-        **{**fields, "backend": split_mode(mode, backend)[1]}, mode=mode, padded_length=host_batch["input_ids"].shape[1],
+        **fields_of(mode), mode=mode, padded_length=host_batch["input_ids"].shape[1],
         real_tokens=int(np.count_nonzero(host_batch["attention_mask"])),
         rows=int(host_batch["input_ids"].size),
         **{name: float(np.median(ms)) for name, ms in timed.items()},
