@@ -177,7 +177,7 @@ def test_a_mode_out_of_memory_is_recorded_and_the_others_run(tmp_path, monkeypat
   monkeypatch.setattr(model, "mode_loss", failing)
   out = tmp_path / "model.jsonl"
   rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_shared,sebp_packed",
-                     "--repeats", "1", "--rounds", "1", "--out", str(out)])
+                     "--stages", "step", "--repeats", "1", "--rounds", "1", "--out", str(out)])
   assert [r["mode"] for r in rows] == ["sebp_shared", "dense", "sebp_packed"]
   assert rows[0]["error"].startswith("out of memory: RESOURCE_EXHAUSTED")
   assert rows[2]["step_speedup_vs_dense"] > 0
@@ -190,7 +190,7 @@ def test_batch_sizes_give_each_modes_best_batch(capsys):
   tokens a second, its throughput against the fast-attention baseline's own best."""
   rows = model.main(["--tiny", "--model", "bert", "--modes",
                      "longest_dense_fast_attention,sebp_packed", "--batch-sizes", "2,4",
-                     "--repeats", "1", "--rounds", "1"])
+                     "--stages", "step", "--repeats", "1", "--rounds", "1"])
   assert sorted((r["batch_size"], r["mode"]) for r in rows) == [
       (2, "longest_dense_fast_attention"), (2, "sebp_packed"),
       (4, "longest_dense_fast_attention"), (4, "sebp_packed")]
@@ -209,7 +209,8 @@ def test_batch_sizes_give_each_modes_best_batch(capsys):
 @pytest.mark.slow
 def test_nnx_rows_beside_the_linen_ones():
   rows = model.main(["--tiny", "--model", "llama", "--model", "llama_nnx", "--modes",
-                     "dense,sebp_lm_head,sebp_packed", "--repeats", "1", "--rounds", "1"])
+                     "dense,sebp_lm_head,sebp_packed", "--stages", "step", "--repeats", "1",
+                     "--rounds", "1"])
   # The NNX Llama ties its head to the embedding: no head for SEBP to swap.
   assert [(r["model"], r["mode"]) for r in rows] == [
       ("llama", "dense"), ("llama", "sebp_lm_head"), ("llama", "sebp_packed"),
