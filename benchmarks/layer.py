@@ -1,7 +1,7 @@
 """Times the backward of one linear layer: dense vs SEBP (XLA and Pallas implementations).
 
     python -m benchmarks.layer --out results.jsonl
-    python -m benchmarks.layer --shapes 2048x8192,768x3072 --tokens 16384 --kept 20
+    python -m benchmarks.layer --shapes 2048x8192,768x3072 --tokens 16384 --kept 20 --rounds 3
 
 For each layer shape (D -> N), token count T and kept fraction, dY is random with the
 unkept rows zeroed (as padding rows are), and each variant's backward is timed on whatever
@@ -11,7 +11,8 @@ device JAX sees, as ``jax.vjp`` of its forward (XLA drops the unused forward dot
 * ``xla`` / ``pallas`` / ``auto``: :func:`sebp_jax.sebp_linear` with that backend, the index
   ``selected`` from dY inside the backward (``top_n`` = the kept rows, ``overflow="drop"``)
   or ``given`` (precomputed); ``auto`` and ``pallas`` also with ``top_n="auto"``
-  (``auto_capacity``: ``pallas`` runs once, its kernels following the run-time count;
+  (``auto_capacity``: ``pallas_triton`` and ``pallas_mosaic`` run once, their kernels following
+  the run-time count;
   ``auto`` does so where the cost model predicts it ahead, else runs the capacity that holds
   the kept rows, chosen at run time by a ``lax.switch``);
 * ``kept_matmuls``: the op's dense backward of the kept rows alone, handed over as contiguous
@@ -151,7 +152,7 @@ def variants(case: Case):
     yield backend, "given", fn, (x, kernel, bias, dy, rows)
   # top_n="auto": with the defaults (the cost model's choice) and with the kernels that run
   # once, at every row, and follow the run-time count.
-  for backend in ("auto", "pallas"):
+  for backend in ("auto", "pallas_triton", "pallas_mosaic"):
     yield backend, "auto_capacity", sebp_backward(backend, "auto"), (x, kernel, bias, dy)
   x_kept = jax.ShapeDtypeStruct((case.num_kept, case.d), dtype)
   dy_kept = jax.ShapeDtypeStruct((case.num_kept, case.n), dtype)
@@ -219,7 +220,12 @@ def main(argv=None):
   parser.add_argument("--input-sets", type=int, default=4,
                       help="distinct random inputs evaluated per timed call")
   parser.add_argument("--compile-threads", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="interleaved rounds per case, every variant timed once in each; a "
+                           "record keeps the median and the rounds, ratios their spread")
   args = parser.parse_args(argv)
+  if args.rounds <= 0:
+    parser.error("--rounds must be positive")
 
   # T outermost, in the order given: an interrupted run has whole T sweeps.
   cases = [Case(d, n, t, kept, args.dtype)
@@ -241,11 +247,15 @@ def main(argv=None):
                (x[active_rows], kernel, bias, dy[active_rows])
                for x, kernel, bias, dy, active_rows in input_sets]
         for mode in ("dense", "selected", "given", "auto_capacity", "pregathered")}
-    dense_ms = None
-    for backend, mode, _, _ in variants(case):
-      ms = median_ms(compiled[case, backend, mode], *inputs[mode or "dense"],
-                     repeats=args.repeats, calls_per_repeat=3, work_items=args.input_sets)
-      dense_ms = ms if backend == "dense" else dense_ms
+    rounds_ms = {}
+    for _ in range(args.rounds):
+      for backend, mode, _, _ in variants(case):
+        rounds_ms.setdefault((backend, mode), []).append(median_ms(
+            compiled[case, backend, mode], *inputs[mode or "dense"], repeats=args.repeats,
+            calls_per_repeat=3, work_items=args.input_sets))
+    dense_rounds = np.asarray(rounds_ms["dense", None])
+    for (backend, mode), variant_rounds in rounds_ms.items():
+      ms = float(np.median(variant_rounds))
       bound = roofline_ms(case.d, case.n,
                           case.num_kept if backend == "kept_matmuls" else case.num_rows,
                           case.num_rows if backend == "dense" else case.num_kept,
@@ -254,10 +264,11 @@ def main(argv=None):
       records.append(record(
           shape=case.shape_name, d_in=case.d, d_out=case.n, tokens=case.num_rows,
           kept_percent=case.kept_percent, dtype=case.dtype, backend=backend, index=mode,
-          median_ms=ms, speedup_over_dense=dense_ms / ms, roofline_ms=bound,
-          time_over_roofline=ms / bound))
-      # Written as measured, so that an interrupted run keeps what it timed.
-      append_json_lines(args.out, records[-1:])
+          median_ms=ms, rounds_ms=variant_rounds,
+          speedup_over_dense=float(np.median(dense_rounds / np.asarray(variant_rounds))),
+          roofline_ms=bound, time_over_roofline=ms / bound))
+    # Written per case, so that an interrupted run keeps what it timed.
+    append_json_lines(args.out, records[-len(rounds_ms):])
     del input_sets, inputs
   print_table(records)
 
@@ -266,8 +277,9 @@ def print_table(records):
   """One line per case: times; speedups over dense (index selected, and auto
   selected / given / top_n="auto"); Pallas over XLA (selected, then given); XLA and Pallas
   (selected) time over their roofline; XLA (index given) over the kept rows'
-  matmuls alone; Pallas at top_n="auto" (one run, following the run-time count) over XLA at
-  the kept rows' capacity (selected), the capacity a host would pick."""
+  matmuls alone; then ``pallas_triton`` and ``pallas_mosaic`` at top_n="auto" (one run, following
+  the run-time count): the time, and XLA at the kept rows' capacity (selected, the capacity a
+  host would pick) over it, the median of the rounds' ratios (their range in brackets)."""
   by_case = {}
   for r in records:
     key = (r["shape"], r["tokens"], r["kept_percent"])
@@ -277,7 +289,8 @@ def print_table(records):
             f"{'dense/xla':>9} {'dense/pal':>9} {'xla/pal-s':>9} "
             f"{'xla/pal-g':>9} {'xla/roof':>8} {'pal/roof':>8} | {'auto-sel':>8} {'auto-giv':>8} "
             f"{'auto-cap':>8} | "
-            f"{'matmuls':>7} {'xla-giv/mm':>10} | {'pal-cap':>7} {'xla-s/pal-cap':>13}")
+            f"{'matmuls':>7} {'xla-giv/mm':>10} | {'tri-cap':>7} {'xla-s/tri-cap':>17} "
+            f"{'mos-cap':>7} {'xla-s/mos-cap':>17}")
   print(header)
   print("-" * len(header))
   for (shape, tokens, kept), v in by_case.items():
@@ -296,8 +309,18 @@ def print_table(records):
           f"{v['auto', 'auto_capacity']['speedup_over_dense']:7.2f}x | "
           f"{ms['kept_matmuls', 'pregathered']:7.3f} "
           f"{ms['xla', 'given'] / ms['kept_matmuls', 'pregathered']:9.2f}x | "
-          f"{ms['pallas', 'auto_capacity']:7.3f} "
-          f"{ms['xla', 'selected'] / ms['pallas', 'auto_capacity']:12.2f}x")
+          f"{ms['pallas_triton', 'auto_capacity']:7.3f} "
+          f"{round_ratios(v['xla', 'selected'], v['pallas_triton', 'auto_capacity']):>17} "
+          f"{ms['pallas_mosaic', 'auto_capacity']:7.3f} "
+          f"{round_ratios(v['xla', 'selected'], v['pallas_mosaic', 'auto_capacity']):>17}")
+
+
+def round_ratios(numerator: dict, denominator: dict) -> str:
+  """The median over rounds of one record's time over another's, with its range where there
+  are several rounds."""
+  ratios = np.asarray(numerator["rounds_ms"]) / np.asarray(denominator["rounds_ms"])
+  text = f"{np.median(ratios):.2f}x"
+  return text if len(ratios) == 1 else f"{text} ({ratios.min():.2f}-{ratios.max():.2f})"
 
 
 if __name__ == "__main__":

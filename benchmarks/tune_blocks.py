@@ -4,8 +4,10 @@
 
 Times ``gathered_dx`` and ``gathered_dw_db`` (with bias, index given) for each
 candidate ``BlockSizes`` on each layer shape at one T and kept fraction (default
-T=16384, 20%, bf16). The winners feed the default table in
-``pallas_kernels/sebp_matmul.py`` by hand: there is no runtime autotuning.
+T=16384, 20%, bf16), and (``--kernels mosaic``) the whole count-following Mosaic GPU
+backward ``kept_rows_backward`` for each candidate ``MosaicBlockSizes``, on an index as
+long as T. The winners feed the defaults of ``pallas_kernels/`` by hand: there is no
+runtime autotuning.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from benchmarks.harness import (ALL_SHAPES, append_json_lines, median_ms, over_i
                                 parse_shapes, parse_subset, record)
 from benchmarks.layer import Case, make_inputs
 from pallas_kernels import BlockSizes, gathered_dw_db, gathered_dx
+from pallas_kernels.sebp_matmul_mgpu import MatmulTiles, MosaicBlockSizes, kept_rows_backward
 
 # BlockSizes(block_rows, block_d, block_n, split_rows, num_warps, num_stages).
 # dx tiles [rows, D], stepping over N.
@@ -67,6 +70,21 @@ DW_CANDIDATES = [
     BlockSizes(64, 64, 128, 4, 4, 6),
 ]
 
+# The count-following backward: dX's tiles varied at fixed dW tiles, then dW's at fixed dX
+# tiles (MatmulTiles(block_m, block_n, block_k, max_concurrent_steps, split_k)).
+_MOSAIC_DX = [MatmulTiles(*tiles) for tiles in (
+    (128, 128, 64, 4), (128, 128, 64, 5), (128, 128, 64, 6), (64, 128, 64, 6),
+    (128, 64, 64, 6), (64, 256, 64, 4), (64, 256, 64, 5))]
+_MOSAIC_DW = [MatmulTiles(*tiles) for tiles in (
+    (128, 128, 64, 5), (128, 128, 64, 4, 2), (128, 128, 64, 5, 2), (64, 256, 64, 4),
+    (64, 256, 64, 5), (128, 64, 64, 6), (128, 128, 64, 4, 3), (128, 128, 64, 3, 4))]
+MOSAIC_CANDIDATES = [
+    *(MosaicBlockSizes(dx=dx) for dx in _MOSAIC_DX),
+    *(MosaicBlockSizes(dw=dw) for dw in _MOSAIC_DW),
+    MosaicBlockSizes(copy_rows=256),
+]
+KERNELS = ("dx", "dw", "mosaic")
+
 
 def _kernels(case: Case, kernels: tuple[str, ...]):
   dtype = jnp.dtype(case.dtype)
@@ -87,12 +105,20 @@ def _kernels(case: Case, kernels: tuple[str, ...]):
           x_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
           block_sizes=b, interpret=interpret)
       yield "dw", blocks, fn, (x, dy, rows)
+  if "mosaic" in kernels:
+    every_row = jax.ShapeDtypeStruct((case.num_rows,), jnp.int32)
+    for blocks in MOSAIC_CANDIDATES:
+      fn = lambda x_, k_, dy_, r_, b=blocks: kept_rows_backward(
+          x_, k_, dy_, r_, with_bias=True, dw_dtype=jnp.float32, db_dtype=jnp.float32,
+          block_sizes=b, interpret=interpret)
+      yield "mosaic", blocks, fn, (x, kernel, dy, every_row)
 
 
 def _parse_kernels(text: str) -> tuple[str, ...]:
-  """``--kernels``: a comma-separated subset of dx,dw, each named once, in sweep order."""
-  names = parse_subset(text, ("dx", "dw"))
-  return tuple(name for name in ("dx", "dw") if name in names)
+  """``--kernels``: a comma-separated subset of dx,dw,mosaic, each named once, in sweep
+  order."""
+  names = parse_subset(text, KERNELS)
+  return tuple(name for name in KERNELS if name in names)
 
 
 def main(argv=None):
@@ -104,7 +130,7 @@ def main(argv=None):
   parser.add_argument("--shapes", type=parse_shapes, default=ALL_SHAPES,
                       help="as in benchmarks.layer (default: all)")
   parser.add_argument("--kernels", type=_parse_kernels, default=("dx", "dw"),
-                      help="comma-separated subset of dx,dw to sweep (default: both)")
+                      help="comma-separated subset of dx,dw,mosaic to sweep (default: dx,dw)")
   parser.add_argument("--tokens", type=int, default=16384, help="T, rows of dY")
   parser.add_argument("--kept", type=int, default=20, help="kept percent")
   parser.add_argument("--dtype", default="bfloat16", help="dtype of x, W and dY")
@@ -136,7 +162,10 @@ def main(argv=None):
   for case in tqdm(cases, desc="time", file=sys.stderr):
     input_sets = [make_inputs(case, seed) for seed in range(args.input_sets)]
     inputs = {"dx": [(dy, kernel, rows) for _, kernel, _, dy, rows in input_sets],
-              "dw": [(x, dy, rows) for x, _, _, dy, rows in input_sets]}
+              "dw": [(x, dy, rows) for x, _, _, dy, rows in input_sets],
+              "mosaic": [(x, kernel, dy, jnp.pad(rows, (0, case.num_rows - rows.shape[0]),
+                                                 constant_values=case.num_rows))
+                         for x, kernel, _, dy, rows in input_sets]}
     for (job_case, name, blocks, _, _), (executable, error) in zip(jobs,
                                                                    compiled):
       if job_case != case:

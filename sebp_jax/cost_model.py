@@ -5,8 +5,9 @@
   ``margin``, else ``"dense"``: on small layers at high kept fractions the gathers and the
   scoring cost more than the FLOPs they save, and the dense backward is exact.
 * Where the capacity is chosen at run time (``top_n="auto"``, or ``overflow="exact"``):
-  on GPU, :func:`choose_counted` runs ``"pallas"`` once, on an index of every candidate row
-  (its kernels' work follows the run-time count), where :class:`GpuCostModel` predicts it
+  on GPU, :func:`choose_counted` runs ``"pallas"`` (Mosaic GPU kernels on Hopper, Triton
+  elsewhere) once, on an index of every candidate row (its kernels' work follows the
+  run-time count), where :class:`GpuCostModel` predicts it
   ahead of a run-time branch between capacities, each run as above. Elsewhere the branch.
 * ``"pallas"`` at a static capacity only when asked for: XLA's dots on the kept rows, with dX
   spread by a gather that fuses into its consumer, are ahead of the kernels at the shapes

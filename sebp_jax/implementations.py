@@ -22,9 +22,14 @@ Registered here:
 
 * ``"dense"``: every row (``active_rows`` is ignored); also the baseline of the others;
 * ``"xla"``: the dense backward of the kept rows, gathered and spread back in plain jnp;
-* ``"pallas"``: the Pallas kernels of ``pallas_kernels/`` (Triton on GPU, interpreted
-  elsewhere), which gather the kept rows inside their matmuls. Their work follows the index's
-  rows, not its length: a block of sentinel slots exits at once.
+* ``"pallas_triton"``: the Pallas kernels of ``pallas_kernels/sebp_matmul.py`` (Triton on
+  GPU, interpreted elsewhere), which gather the kept rows inside their matmuls. Their work
+  follows the index's rows, not its length: a block of sentinel slots exits at once.
+* ``"pallas_mosaic"``: the kept rows copied by a Triton kernel, then multiplied by Mosaic GPU
+  ``wgmma`` kernels over the count read on the device (``pallas_kernels/sebp_matmul_mgpu.py``;
+  compiled on Hopper, interpreted on CPU); ``"pallas_triton"`` where those cannot run (another
+  GPU, float32, widths off the tiles). Its work follows the count too.
+* ``"pallas"``: ``"pallas_mosaic"`` on Hopper, ``"pallas_triton"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -162,11 +167,11 @@ def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poiso
   return spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
 
 
-def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
-                    dkernel_dtype=None):
-  """The Pallas kernels: dX as its kept rows, spread by the fusible gather of ``"xla"`` (which
-  reads no sentinel slot, so the kernel leaves their blocks unwritten); the poison as the
-  start of the dW kernel's sums."""
+def pallas_triton_backward(x, kernel, dy, active_rows, *, with_bias, precision=None,
+                           poison=None, dkernel_dtype=None):
+  """The gathering Pallas kernels (Triton on GPU): dX as its kept rows, spread by the fusible
+  gather of ``"xla"`` (which reads no sentinel slot, so the kernel leaves their blocks
+  unwritten); the poison as the start of the dW kernel's sums."""
   import pallas_kernels  # Lazily: the other implementations must not pay for its import.
 
   interpret = jax.default_backend() != "gpu"
@@ -179,6 +184,55 @@ def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, po
   return spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0]), dkernel, dbias
 
 
+def on_hopper() -> bool:
+  """Whether the default device is a Hopper GPU (sm_90), where Mosaic GPU's kernels run."""
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def mosaic_takes(x, kernel, dy) -> bool:
+  """Whether the Mosaic GPU kernels take these operands: one 16-bit dtype and widths their
+  tiles divide."""
+  from pallas_kernels import sebp_matmul_mgpu  # Lazily, as in pallas_triton_backward.
+
+  return (x.dtype == kernel.dtype == dy.dtype
+          and sebp_matmul_mgpu.supports_shapes(*kernel.shape, kernel.dtype))
+
+
+def pallas_mosaic_backward(x, kernel, dy, active_rows, *, with_bias, precision=None,
+                           poison=None, dkernel_dtype=None):
+  """The kept rows copied by a Triton kernel, then Mosaic GPU matmuls over the run-time count
+  (compiled on Hopper, interpreted on CPU); ``"pallas_triton"`` for operands they do not take
+  and on other GPUs. dX comes as the kept rows in slot order, spread as there."""
+  hopper_or_cpu = on_hopper() or jax.default_backend() == "cpu"
+  if not (hopper_or_cpu and mosaic_takes(x, kernel, dy)):
+    return pallas_triton_backward(x, kernel, dy, active_rows, with_bias=with_bias,
+                                  precision=precision, poison=poison,
+                                  dkernel_dtype=dkernel_dtype)
+  from pallas_kernels import sebp_matmul_mgpu
+
+  num_rows = x.shape[0]
+  accumulate = accumulation_dtype(dy.dtype)
+  dx_kept, dkernel, dbias = sebp_matmul_mgpu.kept_rows_backward(
+      x, kernel, dy, active_rows, with_bias=with_bias, poison=poison,
+      dw_dtype=dkernel_dtype or accumulate, db_dtype=accumulate,
+      interpret=jax.default_backend() != "gpu")
+  rows = jnp.pad(active_rows.astype(jnp.int32), (0, dx_kept.shape[0] - active_rows.shape[0]),
+                 constant_values=num_rows)
+  return spread_rows(dx_kept.astype(x.dtype), rows, num_rows), dkernel, dbias
+
+
+def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
+                    dkernel_dtype=None):
+  """The Pallas kernels chosen by device: ``"pallas_mosaic"`` on Hopper, where it is the
+  faster, else ``"pallas_triton"`` (interpreted on CPU)."""
+  backward = pallas_mosaic_backward if on_hopper() else pallas_triton_backward
+  return backward(x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
+                  poison=poison, dkernel_dtype=dkernel_dtype)
+
+
 register_implementation("dense", dense_backward, takes_index=False)
 register_implementation("xla", xla_backward)
 register_implementation("pallas", pallas_backward, follows_count=True)
+register_implementation("pallas_triton", pallas_triton_backward, follows_count=True)
+register_implementation("pallas_mosaic", pallas_mosaic_backward, follows_count=True)

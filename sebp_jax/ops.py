@@ -239,7 +239,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       ``top_n`` rows of largest L2 norm, NaN/Inf rows first (the SEBP paper's rule).
     precision: ``lax.Precision`` of the forward and backward dots, as in ``nn.Dense``.
     backend: ``"auto"``, or an implementation by name: ``"dense"``, ``"xla"`` (gather, dots,
-      gather in jnp), ``"pallas"`` (kernels; Triton on GPU, interpreted elsewhere). ``"auto"``
+      gather in jnp), ``"pallas"`` (kernels: Mosaic GPU on Hopper for 16-bit operands, else
+      Triton on GPU; interpreted on CPU; ``"pallas_mosaic"`` and ``"pallas_triton"`` name
+      one of the two, :mod:`sebp_jax.implementations`). ``"auto"``
       runs ``"xla"``, except that on GPU it runs the dense backward where a cost model of the
       layer's static shapes predicts SEBP slower (:mod:`sebp_jax.cost_model`). ``"pallas"``
       needs no run-time branch: where a capacity would be chosen at run time it takes an
@@ -283,8 +285,8 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
   sharding = row_sharding(x, x.ndim - 1, mesh=mesh, batch_axes=normalize_batch_axes(batch_axes))
   active_rows = validate_active_rows(active_rows, math.prod(x.shape[:-1]),
                                      sharding.num_shards if sharding else 1)
-  if backend == "pallas" and jnp.issubdtype(dtype, jnp.complexfloating):
-    raise ValueError(f"backend 'pallas' has no kernels for complex dtypes, got {dtype}: "
+  if backend.startswith("pallas") and jnp.issubdtype(dtype, jnp.complexfloating):
+    raise ValueError(f"backend {backend!r} has no kernels for complex dtypes, got {dtype}: "
                      "use backend 'xla' or 'auto'")
   config = _LinearConfig(top_n=top_n, threshold=threshold, overflow=overflow,
                          row_log=row_log, precision=precision,

@@ -43,10 +43,11 @@ def assert_every_gradient_close(got, want, rtol=1e-4):
 
 def branches(jaxpr) -> list[str]:
   """The ``cond`` / ``while`` primitives of a jaxpr and its sub-jaxprs, outside Pallas kernels
-  (a branch inside a kernel is the kernel's own, not one between XLA programs)."""
+  (a branch inside a kernel is the kernel's own, not one between XLA programs; a Mosaic GPU
+  kernel traces as a ``core_map`` / ``mpmd_map`` over its SMs)."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name in ("pallas_call", "core_map", "mpmd_map"):
       continue
     if eqn.primitive.name in ("cond", "while"):
       found.append(eqn.primitive.name)

@@ -97,6 +97,24 @@ def test_pallas_runs_one_branch_free_program_for_every_count(options):
     _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(NUM_ROWS))
 
 
+def test_pallas_mosaic_runs_one_branch_free_program_for_every_count():
+  """The Mosaic GPU route (interpreted on CPU) at top_n="auto": no cond, and every active row's
+  gradient at every count around its 128-row tiles (copy blocks, dX row tiles), up to all."""
+  as_bf16 = lambda *arrays: [a.astype(jnp.bfloat16) for a in arrays]  # noqa: E731
+
+  def backward(x, kernel, dy):
+    return linear_backward(x, kernel, dy, with_bias=True, backend="pallas_mosaic", top_n="auto")
+
+  shape = dict(num_rows=256, in_features=128, out_features=128)
+  x, kernel, dy = as_bf16(*_problem(0, **shape))
+  assert branches(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr) == []
+  compiled = jax.jit(backward)
+  for count in (0, 1, 127, 128, 129, 256):
+    x, kernel, dy = as_bf16(*_problem(400 + count, num_nonzero=count, **shape))
+    _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(256),
+                          tolerance=1e-2)
+
+
 @pytest.mark.parametrize("count", [5, 130])
 def test_counted_dx_never_reads_the_slots_the_kernel_leaves_unwritten(count):
   """An index of 384 slots spans several of the dX kernel's row blocks; those of sentinels

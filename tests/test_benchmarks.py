@@ -239,7 +239,8 @@ def test_layer_benchmark_records(tmp_path, capsys):
   records = [json.loads(line) for line in out.read_text().splitlines()]
   variants = {(r["backend"], r["index"]) for r in records}
   assert variants == {("dense", None), ("kept_matmuls", "pregathered"), ("auto", "auto_capacity"),
-                      ("pallas", "auto_capacity"),
+                      ("pallas_triton", "auto_capacity"),
+                      ("pallas_mosaic", "auto_capacity"),
                       *((b, i) for b in ("xla", "pallas", "auto") for i in ("selected", "given"))}
   assert all(r["median_ms"] > 0 and r["roofline_ms"] > 0 for r in records)
   # The table shows both backends' time over the roofline, as recorded.

@@ -36,10 +36,12 @@ def _kept(name, active_rows, num_rows):
   return rows[rows < num_rows]
 
 
-def test_the_three_are_registered():
-  assert set(IMPLEMENTATIONS) <= set(implementation_names())
+def test_the_implementations_are_registered():
+  assert set(IMPLEMENTATIONS) | {"pallas_triton", "pallas_mosaic"} <= set(implementation_names())
   assert not get_implementation("dense").takes_index
   assert get_implementation("xla").takes_index and get_implementation("pallas").takes_index
+  assert all(get_implementation(name).follows_count
+             for name in ("pallas", "pallas_triton", "pallas_mosaic"))
   with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
     get_implementation("cuda")
 
@@ -126,6 +128,65 @@ def test_poison_reaches_dkernel_and_dbias(name):
   empty = jnp.full((8,), 32, jnp.int32)
   _, dkernel, dbias = _run(name, x, kernel, dy, empty, poison=jnp.float32(jnp.nan))
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+
+
+# Shapes the Mosaic GPU kernels' default tiles divide (128), with an index as long as T (the
+# counted path) and a shorter one; 16-bit operands only.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("num_rows,num_nonzero,top_n", [(200, 70, 200), (160, 40, 64)])
+def test_pallas_mosaic_matches_float64_reference(dtype, num_rows, num_nonzero, top_n):
+  rng = np.random.default_rng([num_rows, top_n])
+  x = jnp.asarray(rng.standard_normal((num_rows, 128)), dtype)
+  kernel = jnp.asarray(rng.standard_normal((128, 256)), dtype)
+  dy = jnp.asarray(random_sparse_rows(rng, num_rows, 256, num_nonzero), dtype)
+  active_rows = select_active_rows(dy, top_n)
+  dx, dkernel, dbias = _run("pallas_mosaic", x, kernel, dy, active_rows)
+  assert (dx.shape, dx.dtype, dkernel.dtype, dbias.dtype) == (
+      x.shape, dtype, jnp.float32, jnp.float32)
+  rows = _kept("pallas_mosaic", active_rows, num_rows)
+  for actual, want in zip((dx, dkernel, dbias), reference_backward(x, kernel, dy, rows)):
+    assert relative_error(actual, want) <= TOLERANCE[dtype]
+  dropped = np.setdiff1d(np.arange(num_rows), rows)
+  assert np.all(np.asarray(dx, np.float64)[dropped] == 0)
+
+
+def test_pallas_mosaic_carries_the_poison():
+  rng = np.random.default_rng(13)
+  x = jnp.asarray(rng.standard_normal((130, 128)), jnp.bfloat16)
+  kernel = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
+  dy = jnp.asarray(random_sparse_rows(rng, 130, 128, 9), jnp.bfloat16)
+  for active_rows in (select_active_rows(dy, 130), jnp.full((130,), 130, jnp.int32)):
+    _, dkernel, dbias = _run("pallas_mosaic", x, kernel, dy, active_rows,
+                             poison=jnp.float32(jnp.nan))
+    assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+
+
+def test_pallas_takes_the_mosaic_kernels_on_hopper_only(monkeypatch):
+  """``"pallas"`` runs the Mosaic GPU route where the device is a Hopper GPU (faked here; on a
+  CPU the kernels then run interpreted) and the Triton kernels elsewhere; the Mosaic route
+  itself leaves operands its tiles do not divide, and float32, to the Triton kernels."""
+  from pallas_kernels import sebp_matmul_mgpu
+  calls = []
+  real = sebp_matmul_mgpu.kept_rows_backward
+  monkeypatch.setattr(sebp_matmul_mgpu, "kept_rows_backward",
+                      lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+  rng = np.random.default_rng(14)
+
+  def run(d, n, dtype):
+    x = jnp.asarray(rng.standard_normal((64, d)), dtype)
+    kernel = jnp.asarray(rng.standard_normal((d, n)), dtype)
+    dy = jnp.asarray(random_sparse_rows(rng, 64, n, 20), dtype)
+    return _run("pallas", x, kernel, dy, select_active_rows(dy, 64))
+
+  monkeypatch.setattr(implementations, "on_hopper", lambda: False)
+  run(128, 128, jnp.bfloat16)
+  assert calls == []
+  monkeypatch.setattr(implementations, "on_hopper", lambda: True)
+  run(128, 128, jnp.bfloat16)
+  assert calls == [(128, 128)]
+  run(96, 128, jnp.bfloat16)
+  run(128, 128, jnp.float32)
+  assert calls == [(128, 128)]
 
 
 def test_dense_carries_a_nan_of_any_row():
