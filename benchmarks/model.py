@@ -460,16 +460,20 @@ def parse_modes(text: str) -> list[str]:
 
 
 def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: int,
-              backend: str, sharding: dict | None = None):
+              backend: str, sharding: dict | None = None, packed_capacity: int | None = None):
   """``(batch, loss)`` of ``mode`` as the benchmark runs it: the host batch cut to its longest
-  row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch.
-  ``MODE@BACKEND`` runs ``MODE`` with that SEBP backend in place of ``backend``."""
+  row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch
+  (``packed_capacity``: that capacity instead, where it holds the batch's real tokens, as
+  one compile for every batch of a run would). ``MODE@BACKEND`` runs ``MODE`` with that SEBP
+  backend in place of ``backend``."""
   mode, backend = split_mode(mode, backend)
   host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
   mask = host_batch["attention_mask"]
   num_shards = sharding["mesh"].size if sharding else 1
+  capacity = token_capacity(mask, num_shards=num_shards)
   return host_batch, make_loss(kind, model, mode, top_n, backend,
-                               token_capacity(mask, num_shards=num_shards), host_mask=mask,
+                               min(max(capacity, packed_capacity or 0), mask.size // num_shards),
+                               host_mask=mask,
                                sharding=sharding)
 
 
@@ -583,7 +587,8 @@ class Placement:
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
         devices: int = 1, fsdp: str | None = None, baseline=(), rounds: int = 1,
         batch_size: int | None = None, balance: bool = False, shard_lengths: str = "same",
-        stages=STAGES, compiler_options=None, calls_per_repeat: int = 1):
+        stages=STAGES, compiler_options=None, calls_per_repeat: int = 1,
+        packed_capacity: int | None = None):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -604,7 +609,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   ``{"xla_gpu_enable_latency_hiding_scheduler": True}``). ``calls_per_repeat``: calls
   dispatched back to back before one sync, so that the host's dispatch of a call overlaps the
   device's work on the one before, as in a training loop (1: the host's dispatch is timed
-  too)."""
+  too). ``packed_capacity``: the packed modes' capacity, in place of the batch's own."""
   if balance and shard_lengths != "drawn":
     raise ValueError("balance reorders drawn lengths: pass shard_lengths='drawn'")
   unknown = set(stages) - set(STAGES)
@@ -630,7 +635,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 calls_per_repeat=calls_per_repeat,
                 backend=backend, devices=devices, fsdp=fsdp, balanced=balance,
                 shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
-                processes=jax.process_count())
+                processes=jax.process_count(), packed_capacity=packed_capacity)
 
   def fields_of(mode: str) -> dict:
     return {**fields, "backend": split_mode(mode, backend)[1]}
@@ -640,7 +645,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout,
                    disable=quiet):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
-                                    placement.sebp_sharding)
+                                    placement.sebp_sharding, packed_capacity)
     try:
       calls = placement.calls(loss_fn, host_batch, stages, options)
       compiled_step = calls["step"][0]
@@ -857,6 +862,10 @@ def main(argv=None) -> list[dict]:
                       help="on several devices, every device's rows with the one-device "
                            "batch's lengths (same: weak scaling at equal work) or lengths drawn "
                            "for each device (drawn)")
+  parser.add_argument("--packed-capacity", type=int, default=None,
+                      help="the packed modes' capacity per device in place of each batch's "
+                           "own (token_capacity), where it holds the batch: one compile for "
+                           "every batch of a run")
   parser.add_argument("--balance", action="store_true",
                       help="with --shard-lengths drawn, reorder the batch's rows so that every "
                            "device holds about equal real tokens")
@@ -908,7 +917,8 @@ def main(argv=None) -> list[dict]:
                    batch_size=batch_size, balance=args.balance,
                    shard_lengths=args.shard_lengths, stages=args.stages,
                    compiler_options=dict(args.compiler_option),
-                   calls_per_repeat=args.calls_per_repeat)
+                   calls_per_repeat=args.calls_per_repeat,
+                   packed_capacity=args.packed_capacity)
         one_device = runs if devices == 1 else one_device
         rows += runs
   if not quiet:

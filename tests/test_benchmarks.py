@@ -517,3 +517,22 @@ def test_fsdp_layer_by_layer_with_packing_has_the_dense_collectives():
   assert dense["collectives"].get("all-gather", 0) > 0
   for kind, count in packed["collectives"].items():
     assert count <= dense["collectives"][kind]
+
+
+def test_packed_capacity_replaces_the_batch_own_where_it_holds_it(monkeypatch):
+  """``--packed-capacity``: the packed modes run at that capacity (at least the batch's own,
+  at most its rows), and the loss is still the dense one."""
+  seen = []
+  make_loss = model.make_loss
+  monkeypatch.setattr(model, "make_loss", lambda *a, **k: seen.append(a[5]) or make_loss(*a, **k))
+  setup = model.setup_for("bert", tiny=True)
+  net = model.build_model("bert", tiny=True, dtype=jnp.float32)
+  batch = model.make_batch("bert", net, setup, seed=3)
+  own, rows = token_capacity(batch["attention_mask"]), batch["attention_mask"].size
+  for packed_capacity in (None, 1, rows, 10 * rows):
+    model.mode_loss("bert", net, "sebp_packed", batch, 8, "xla", packed_capacity=packed_capacity)
+  assert seen == [own, own, rows, rows] and own < rows
+  _, dense = model.mode_loss("bert", net, "dense", batch, 8, "xla")
+  _, packed = model.mode_loss("bert", net, "sebp_packed", batch, 8, "xla", packed_capacity=rows)
+  np.testing.assert_allclose(jax.jit(packed)(net.params, batch), dense(net.params, batch),
+                             rtol=2e-5)
