@@ -99,7 +99,8 @@ def test_pallas_runs_one_branch_free_program_for_every_count(options):
 
 def test_pallas_mosaic_runs_one_branch_free_program_for_every_count():
   """The Mosaic GPU route (interpreted on CPU) at top_n="auto": no cond, and every active row's
-  gradient at every count around its 128-row tiles (copy blocks, dX row tiles), up to all."""
+  gradient at every count around each rung of the ladder of 256 rows (16, 32, 64, 128; 128 is
+  also its tiles' edge: copy blocks, dX row tiles), none, one and all."""
   as_bf16 = lambda *arrays: [a.astype(jnp.bfloat16) for a in arrays]  # noqa: E731
 
   def backward(x, kernel, dy):
@@ -109,7 +110,7 @@ def test_pallas_mosaic_runs_one_branch_free_program_for_every_count():
   x, kernel, dy = as_bf16(*_problem(0, **shape))
   assert branches(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr) == []
   compiled = jax.jit(backward)
-  for count in (0, 1, 127, 128, 129, 256):
+  for count in (0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 256):
     x, kernel, dy = as_bf16(*_problem(400 + count, num_nonzero=count, **shape))
     _assert_grads_of_rows(compiled(x, kernel, dy), x, kernel, dy, np.arange(256),
                           tolerance=1e-2)
