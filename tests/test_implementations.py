@@ -132,8 +132,8 @@ def test_poison_reaches_dkernel_and_dbias(name):
 
 # Shapes the Mosaic GPU kernels' default tiles divide (128), with an index as long as T (the
 # counted path) and a shorter one; 16-bit operands only.
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("num_rows,num_nonzero,top_n", [(200, 70, 200), (160, 40, 64)])
+@pytest.mark.parametrize("num_rows,num_nonzero,top_n,dtype", [
+    (200, 70, 200, jnp.bfloat16), (160, 40, 64, jnp.float16)])
 def test_pallas_mosaic_matches_float64_reference(dtype, num_rows, num_nonzero, top_n):
   rng = np.random.default_rng([num_rows, top_n])
   x = jnp.asarray(rng.standard_normal((num_rows, 128)), dtype)
