@@ -470,10 +470,9 @@ def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: 
   host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
   mask = host_batch["attention_mask"]
   num_shards = sharding["mesh"].size if sharding else 1
-  capacity = token_capacity(mask, num_shards=num_shards)
-  return host_batch, make_loss(kind, model, mode, top_n, backend,
-                               min(max(capacity, packed_capacity or 0), mask.size // num_shards),
-                               host_mask=mask,
+  capacity = min(max(token_capacity(mask, num_shards=num_shards), packed_capacity or 0),
+                 mask.size // num_shards)
+  return host_batch, make_loss(kind, model, mode, top_n, backend, capacity, host_mask=mask,
                                sharding=sharding)
 
 
