@@ -11,9 +11,10 @@ temporaries - aliased).
 
 With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axis ``"data"``
 of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
-at its start, or with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
-layer that uses them): every device gets the setup's
-batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
+at its start, with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
+layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.fsdp_loss`,
+each device running the one-device loss on its rows with every collective written out):
+every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
 tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
 that device (``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity).
@@ -99,14 +100,16 @@ from benchmarks.harness import (append_json_lines, free_port, median_ms, parse_p
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
-from sebp_jax.losses import head_chunk_rows, masked_causal_lm_loss
+from sebp_jax.losses import causal_lm_target_count, head_chunk_rows, masked_causal_lm_loss
 from sebp_jax.packing import fused_attention_implementation, token_capacity
-from sebp_jax.sharding import collective_bytes, collective_counts, shard_row_counts
+from sebp_jax.sharding import (collective_bytes, collective_counts, fsdp_loss,
+                               shard_row_counts)
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
 #: What a mode's record can time: the loss, its gradient, a whole AdamW step.
 STAGES = ("forward", "grad", "step")
+FSDP_KINDS = ("start", "layer", "shard_map")
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
@@ -460,20 +463,32 @@ def parse_modes(text: str) -> list[str]:
 
 
 def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: int,
-              backend: str, sharding: dict | None = None, packed_capacity: int | None = None):
+              backend: str, sharding: dict | None = None, packed_capacity: int | None = None,
+              num_shards: int | None = None):
   """``(batch, loss)`` of ``mode`` as the benchmark runs it: the host batch cut to its longest
   row for the ``longest_*`` modes, the loss with the capacity and host mask of that batch
   (``packed_capacity``: that capacity instead, where it holds the batch's real tokens, as
   one compile for every batch of a run would). ``MODE@BACKEND`` runs ``MODE`` with that SEBP
-  backend in place of ``backend``."""
+  backend in place of ``backend``. ``num_shards``: the devices the batch is split over, each
+  packing into the fullest one's capacity (default: the size of ``sharding``'s mesh, else
+  1)."""
   mode, backend = split_mode(mode, backend)
   host_batch = cut_to_longest(batch) if mode.startswith(LONGEST) else batch
   mask = host_batch["attention_mask"]
-  num_shards = sharding["mesh"].size if sharding else 1
+  if num_shards is None:
+    num_shards = sharding["mesh"].size if sharding else 1
   capacity = min(max(token_capacity(mask, num_shards=num_shards), packed_capacity or 0),
                  mask.size // num_shards)
   return host_batch, make_loss(kind, model, mode, top_n, backend, capacity, host_mask=mask,
                                sharding=sharding)
+
+
+def loss_weight(kind: str):
+  """What ``kind``'s loss averages over on a batch: its sentences (BERT), its predicted
+  tokens (the causal LMs)."""
+  if kind == "bert":
+    return None
+  return lambda batch: causal_lm_target_count(batch["attention_mask"])
 
 
 def peak_bytes(compiled) -> int | None:
@@ -552,17 +567,27 @@ class Placement:
 
   @property
   def sebp_sharding(self) -> dict:
-    """``use_sebp``'s arguments for the batch's split: none on one device."""
-    return {} if self.mesh is None else dict(batch_axes="data", mesh=self.mesh)
+    """``use_sebp``'s arguments for the batch's split: none on one device, nor where each
+    device runs the one-device loss on its own rows (``fsdp="shard_map"``)."""
+    if self.mesh is None or self.fsdp == "shard_map":
+      return {}
+    return dict(batch_axes="data", mesh=self.mesh)
 
-  def calls(self, loss_fn, host_batch, stages=STAGES, compiler_options=None) -> dict:
+  def calls(self, loss_fn, host_batch, stages=STAGES, compiler_options=None,
+            weight_fn=None) -> dict:
     """{stage: (jitted function, its arguments)} for ``stages`` of ``loss_fn`` on
-    ``host_batch``, the batch split over the mesh; the step's function compiled."""
+    ``host_batch``, the batch split over the mesh; the step's function compiled.
+    ``weight_fn``: what the loss averages over on a batch (``fsdp_loss``'s)."""
     batch = host_batch
     if self.mesh is not None:
       batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
       if self.fsdp == "start":
         loss_fn = gathering_params(loss_fn, self.mesh)
+      elif self.fsdp == "shard_map":
+        specs = jax.tree.map(lambda sharding: sharding.spec,
+                             param_shardings(self.params, self.mesh, self.fsdp))
+        loss_fn = fsdp_loss(loss_fn, self.mesh, specs, weight_fn=weight_fn,
+                            gather_dtype=jnp.bfloat16)
     optimizer = self.optimizer
 
     def step(params, opt_state, batch):
@@ -644,9 +669,10 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout,
                    disable=quiet):
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
-                                    placement.sebp_sharding, packed_capacity)
+                                    placement.sebp_sharding, packed_capacity,
+                                    num_shards=devices)
     try:
-      calls = placement.calls(loss_fn, host_batch, stages, options)
+      calls = placement.calls(loss_fn, host_batch, stages, options, weight_fn=loss_weight(kind))
       compiled_step = calls["step"][0]
       for fn, args in calls.values():
         for _ in range(2):  # compile and warm up
@@ -848,11 +874,12 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--devices", type=parse_positive_ints, default=[1],
                       help="comma list of device counts, each a data-parallel run with the "
                            "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
-  parser.add_argument("--fsdp", nargs="?", const="start", choices=("start", "layer"),
-                      default=None,
+  parser.add_argument("--fsdp", nargs="?", const="start", choices=FSDP_KINDS, default=None,
                       help="on several devices, split the weight matrices over them too, "
-                           "gathered whole at the step's start (start, the default) or where "
-                           "XLA places the gathers, layer by layer (layer)")
+                           "gathered whole at the step's start (start, the default), where "
+                           "XLA places the gathers, layer by layer (layer), or by each device "
+                           "in a shard_map running the one-device loss on its rows "
+                           "(shard_map: sebp_jax.sharding.fsdp_loss)")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "

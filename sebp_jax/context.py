@@ -32,7 +32,7 @@ from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask, capacity_ladder
 from sebp_jax.sharding import (RowSharding, map_row_shards, normalize_batch_axes, row_sharding,
-                               shard_row_counts)
+                               shard_row_counts, vary_alike)
 
 logger = logging.getLogger("sebp_jax")
 
@@ -287,7 +287,7 @@ class SEBPContext:
     index cut real tokens (``overflow="nan"`` with a traced mask)."""
     if active_rows is None or self._index_poison is None:
       return y
-    return poison_cotangent(y, self._index_poison)
+    return poison_cotangent(*vary_alike(y, self._index_poison))
 
   def sharding_of(self, rows: jax.Array, num_row_dims: int) -> RowSharding | None:
     """How the rows of ``rows`` (its first ``num_row_dims`` dims) are split over devices."""

@@ -12,6 +12,7 @@ import optax
 
 from sebp_jax.ops import validate_top_n
 from sebp_jax.packing import LinearHead, gather_tokens, invalid_slots, packed_rows_of
+from sebp_jax.sharding import vary_alike
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
 #: are computed in chunks of rows, each at most :data:`HEAD_CHUNK_BYTES`.
@@ -59,10 +60,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   # Targets and weights on all L positions (the last one weighs 0), so that the logits are
   # read in place rather than copied without their last column.
   labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
-  # A prediction counts when both its position and its target are real tokens: with left
-  # padding or holes, a padding position before a real token predicts nothing.
-  real = attention_mask != 0
-  weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
+  weights = _target_weights(attention_mask)
   num_targets = jnp.sum(weights)
   poison = jnp.float32(0)
   if capacity is not None:
@@ -105,6 +103,20 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     # in the scattered output, log V each.
     total += (num_targets - jnp.sum(weights)) * math.log(vocab)
   return total / jnp.maximum(num_targets, 1.0)
+
+
+def _target_weights(attention_mask: jax.Array) -> jax.Array:
+  """``[B, L]`` float32: 1 where position t predicts a real token t + 1. A prediction counts
+  when both its position and its target are real tokens: with left padding or holes, a
+  padding position before a real token predicts nothing."""
+  real = attention_mask != 0
+  return jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
+
+
+def causal_lm_target_count(attention_mask: jax.Array) -> jax.Array:
+  """The predictions :func:`masked_causal_lm_loss` averages over (a float32 scalar): a
+  batch's weight among others, such as each device's in :func:`sebp_jax.sharding.fsdp_loss`."""
+  return jnp.sum(_target_weights(attention_mask))
 
 
 def _head_chunk(head_chunk, head: LinearHead | None, num_rows: int, vocab: int) -> int | None:
@@ -166,7 +178,8 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
-  return _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precision)
+  return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights), chunk,
+                               precision)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -177,7 +190,8 @@ def _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precisio
     return total + _weighted_sum(loss, chunk_weights), None
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
-  total, _ = jax.lax.scan(chunk_sum, jnp.float32(0), chunks)
+  start, _ = vary_alike(jnp.float32(0), inputs)  # In a shard_map the sums vary as the rows.
+  total, _ = jax.lax.scan(chunk_sum, start, chunks)
   return total
 
 
@@ -200,9 +214,9 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
     return (total, kernel_grad, bias_grad), rows_grad
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
-  start = (jnp.float32(0), jnp.zeros(kernel.shape, jnp.float32),
-           jnp.zeros(kernel.shape[-1:], jnp.float32))
-  (total, kernel_grad, bias_grad), rows_grad = jax.lax.scan(chunk_step, start, chunks)
+  *start, _ = vary_alike(jnp.float32(0), jnp.zeros(kernel.shape, jnp.float32),
+                        jnp.zeros(kernel.shape[-1:], jnp.float32), inputs)
+  (total, kernel_grad, bias_grad), rows_grad = jax.lax.scan(chunk_step, tuple(start), chunks)
   inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:inputs.shape[0]]
   # The gradients of a unit cotangent, in each input's dtype; the backward scales them.
   grads = (inputs_grad, kernel_grad.astype(kernel.dtype),

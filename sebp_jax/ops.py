@@ -37,7 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sebp_jax.backward import OVERFLOW_MODES, embedding_backward, linear_backward
 from sebp_jax.implementations import implementation_names
-from sebp_jax.sharding import RowSharding, map_row_shards, normalize_batch_axes, row_sharding
+from sebp_jax.sharding import (RowSharding, map_row_shards, normalize_batch_axes, row_sharding,
+                               vary_alike)
 
 Array = jax.Array
 
@@ -285,6 +286,7 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
   sharding = row_sharding(x, x.ndim - 1, mesh=mesh, batch_axes=normalize_batch_axes(batch_axes))
   active_rows = validate_active_rows(active_rows, math.prod(x.shape[:-1]),
                                      sharding.num_shards if sharding else 1)
+  x, kernel, bias, active_rows = vary_alike(x, kernel, bias, active_rows, dtype=dtype)
   if backend.startswith("pallas") and jnp.issubdtype(dtype, jnp.complexfloating):
     raise ValueError(f"backend {backend!r} has no kernels for complex dtypes, got {dtype}: "
                      "use backend 'xla' or 'auto'")
@@ -398,5 +400,6 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
   if (active_rows is None and threshold == 0 and row_log is None and keeps_every_row
       and (dtype is None or jnp.dtype(dtype) == table.dtype)):
     return _lookup(table, ids, dtype)
+  table, ids, active_rows = vary_alike(table, ids, active_rows, dtype=dtype)
   return _sebp_lookup(table, ids, active_rows,
                       _LookupConfig(top_n, threshold, overflow, row_log, dtype, sharding))

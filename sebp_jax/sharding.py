@@ -17,6 +17,11 @@ that split the batch:
   bytes of float32), and the total is cast to the parameter's dtype after;
 * parameters enter whole (replicated), as the dense backward needs them for dX.
 
+A step may instead be written per device, its loss in a ``jax.shard_map`` whose every device
+runs the one-device loss on its own rows (:func:`fsdp_loss`, FSDP with the gathers and
+reduce-scatters placed there); the ops then see one device's rows, and :func:`vary_alike`
+sums a replicated weight's gradient over the devices.
+
 A :class:`RowSharding` says how a layer's rows are split: over the mesh axes of its first
 (batch) dimension. Under an ``Explicit`` mesh the array's type tells; under an ``Auto`` mesh the
 types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split the batch.
@@ -149,6 +154,30 @@ def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:
   return jax.sharding.reshard(array, P())
 
 
+def vary_alike(*arrays: Array | None, dtype: Any = None) -> tuple[Array | None, ...]:
+  """``arrays`` (None passes through), each made to vary over every manual mesh axis that any
+  of them varies over (in a ``jax.shard_map``; a no-op outside one). A ``custom_vjp`` must
+  return each input's cotangent varying as that input does, while its backward computes them
+  from inputs that vary together; called on the inputs first, a replicated one (a parameter
+  used by every device) gets its cotangent summed over the devices, by ``pcast``'s
+  transpose. With ``dtype`` (the op's compute dtype, which it casts to anyway), a floating
+  array made to vary is cast to it first, so that the sum crosses devices in it, as the dense
+  op's does."""
+  def vary(array):
+    manual = getattr(jax.typeof(array), "manual_axis_type", None)
+    return frozenset() if manual is None else frozenset(manual.varying)
+
+  axes = frozenset().union(*(vary(a) for a in arrays if a is not None))
+
+  def cast(array):
+    floating = jnp.issubdtype(array.dtype, jnp.floating)
+    return array.astype(dtype) if dtype is not None and floating else array
+
+  return tuple(a if a is None or vary(a) >= axes
+               else jax.lax.pcast(cast(a), tuple(sorted(axes - vary(a))), to="varying")
+               for a in arrays)
+
+
 def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None, ...],
                    whole: tuple[Array | None, ...], sums_like: tuple[Array | None, ...],
                    sums_dtype: Any = None) -> tuple[tuple, tuple]:
@@ -187,6 +216,68 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
       total = jax.sharding.reshard(total, jax.typeof(like).sharding.spec)
     sums.append(total)
   return row_outputs, tuple(sums)
+
+
+def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "data",
+              weight_fn: Callable | None = None, gather_dtype: Any = None) -> Callable:
+  """``loss_fn(params, batch)`` as the loss of a step over ``mesh``, written out per device:
+  FSDP (ZeRO-3) whose every collective is placed here rather than left to XLA's partitioner.
+
+  In a ``jax.shard_map`` over ``axis``, each device gathers the parameters split over it
+  (``lax.all_gather``, each cast to ``gather_dtype`` on its own shard first) and runs
+  ``loss_fn`` on its own rows of ``batch`` as one device would: ``use_sebp`` inside, without
+  ``batch_axes``, selects or packs among that device's rows at that device's capacity. Under
+  ``jax.grad`` each gathered parameter's gradient comes back as the gather's transpose, a
+  reduce-scatter in ``gather_dtype``, and a replicated one's as an all-reduce; the optimizer
+  then updates each device's shard only. Left to XLA's partitioner, the same split parameters
+  may be gathered again for the backward and their gradients summed whole before being split
+  (all-reduces): this form has one all-gather and one reduce-scatter per split parameter, the
+  dense step and an SEBP or packed one alike.
+
+  Args:
+    loss_fn: the one-device loss, ``loss_fn(params, batch) -> scalar``, an average over its
+      batch.
+    mesh: the devices.
+    param_specs: PartitionSpecs shaped like the params: ``P(axis)`` for a parameter split
+      along its first dimension, ``P()`` for a replicated one.
+    axis: the mesh axis that splits every array of ``batch`` and the split parameters along
+      their first dimension.
+    weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
+      device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
+      :func:`~sebp_jax.losses.masked_causal_lm_loss`). Each device's loss weighs by its share,
+      so that the value and the gradient are those of the whole batch on one device.
+    gather_dtype: the dtype a split floating parameter is gathered in, the compute dtype it is
+      cast to anyway (bfloat16 for float32 weights used in bfloat16: half the bytes both
+      ways), or None (its own).
+
+  Returns:
+    ``loss(params, batch) -> scalar``: the whole batch's loss, for params laid out as
+    ``param_specs`` and a batch split over ``axis``; its gradient is laid out as the params.
+  """
+  if axis not in mesh.shape:
+    raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  split = P(axis)
+  for spec in jax.tree.leaves(param_specs):
+    if not isinstance(spec, P) or (spec != P() and (spec[:1] != (axis,) or any(spec[1:]))):
+      raise ValueError(f"param_specs: expected P({axis!r}) (split along the first dimension) "
+                       f"or P() (replicated) for every parameter, got {spec!r}")
+
+  def gather(param, spec):
+    if spec == P():
+      return param
+    if gather_dtype is not None and jnp.issubdtype(param.dtype, jnp.floating):
+      param = param.astype(gather_dtype)
+    return jax.lax.all_gather(param, axis, tiled=True)
+
+  def per_device(params, batch):
+    whole = jax.tree.map(gather, params, param_specs)
+    weight = (jnp.float32(jax.tree.leaves(batch)[0].shape[0]) if weight_fn is None
+              else jnp.asarray(weight_fn(batch), jnp.float32))
+    total = jax.lax.psum(weight, axis)
+    share = weight / jnp.where(total == 0, 1.0, total)
+    return jax.lax.psum(loss_fn(whole, batch) * share, axis)
+
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
 
 
 def shard_row_counts(mask: Any, num_shards: int) -> np.ndarray:

@@ -519,6 +519,20 @@ def test_fsdp_layer_by_layer_with_packing_has_the_dense_collectives():
     assert count <= dense["collectives"][kind]
 
 
+def test_fsdp_in_a_shard_map_packs_each_device_with_the_dense_collectives():
+  """--fsdp shard_map: each device runs the one-device packed loss on its rows
+  (`fsdp_loss`), at the fullest device's capacity, with one reduce-scatter per all-gather,
+  the dense step's collectives."""
+  rows = model.main(["--tiny", "--model", "llama", "--modes", "dense,sebp_packed", "--devices",
+                     "2", "--fsdp", "shard_map", "--repeats", "1", "--rounds", "1",
+                     "--stages", "step"])
+  dense, packed = rows
+  assert dense["fsdp"] == packed["fsdp"] == "shard_map" and packed["step_ms"] > 0
+  assert packed["collectives"] == dense["collectives"]
+  assert packed["collective_bytes"] == dense["collective_bytes"]
+  assert packed["collectives"]["reduce-scatter"] == packed["collectives"]["all-gather"] > 0
+
+
 def test_packed_capacity_replaces_the_batch_own_where_it_holds_it(monkeypatch):
   """``--packed-capacity``: the packed modes run at that capacity (at least the batch's own,
   at most its rows), and the loss is still the dense one."""

@@ -17,9 +17,9 @@ from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLla
 
 from benchmarks.harness import free_port
 from sebp_jax import pack_decoder_inputs, token_capacity, use_sebp
-from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
 from sebp_jax.packing import gather_tokens, pack_layout, packed_attention, scatter_tokens
-from sebp_jax.sharding import collective_counts, row_sharding
+from sebp_jax.sharding import collective_counts, fsdp_loss, row_sharding
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -204,13 +204,11 @@ def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
     np.testing.assert_allclose(got[2][:, slots], out, rtol=1e-5, atol=1e-6)
 
 
-def test_nnx_decoder_inputs_packed_per_shard():
-  """Tunix's NNX Llama on inputs packed per shard (`pack_decoder_inputs(batch_axes=)`), its
-  attention per sequence on each device: one device's dense gradient, and the dense step's
-  collectives."""
+def tiny_nnx_llama():
+  """Tunix's NNX Llama at toy sizes, random weights: ``(graphdef, params)``."""
   from flax import nnx
 
-  from examples.pretrained import tunix_llama3, tunix_logits
+  from examples.pretrained import tunix_llama3
   llama3 = tunix_llama3()
   config = llama3.ModelConfig(
       num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
@@ -221,7 +219,65 @@ def test_nnx_decoder_inputs_packed_per_shard():
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(state))))
   nnx.update(model, jax.tree.map(
       lambda p: 0.2 * jax.random.normal(next(keys), p.shape, p.dtype), state))
-  graphdef, params = nnx.split(model)
+  return nnx.split(model)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama", "llama_nnx"])
+def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(models, kind):
+  """`fsdp_loss`: the matrices split over the devices, each device packing its own rows as one
+  device does (`use_sebp(packed=True)` without `batch_axes`, in the `shard_map`; for the
+  decoders the first device holds padding only): the whole batch's loss and one device's
+  gradient, laid out as the params, and the dense FSDP step's collectives, one all-gather and
+  one reduce-scatter per split matrix."""
+  from flax import nnx
+
+  from examples.pretrained import tunix_logits
+  ids, mask, labels = _batch(6)
+  if kind != "bert":
+    mask[:BATCH // SHARDS] = 0
+    ids *= mask
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  if kind == "llama_nnx":
+    graphdef, params = tiny_nnx_llama()
+
+    def loss(params, batch, packed):
+      ids, mask, _ = batch
+      logits = tunix_logits(nnx.merge(graphdef, params), ids, mask,
+                            capacity=capacity if packed else None, attention="rows")
+      return masked_causal_lm_loss(logits, ids, mask)
+  else:
+    model, params = models[kind], models[kind].params
+    loss = lambda params, batch, packed: _loss(model, kind, capacity if packed else None,
+                                               {})(params, *batch)
+  weight_fn = None if kind == "bert" else lambda batch: causal_lm_target_count(batch[1])
+  want = jax.value_and_grad(loss)(params, (ids, mask, labels), False)
+  mesh = _mesh()
+  specs = jax.tree.map(lambda a: P("data") if a.ndim == 2 and a.shape[0] % SHARDS == 0
+                       else P(), params)
+  args = (jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params,
+                       specs),
+          jax.device_put((ids, mask, labels), NamedSharding(mesh, P("data"))))
+  step = lambda packed: jax.jit(jax.value_and_grad(fsdp_loss(
+      functools.partial(loss, packed=packed), mesh, specs, weight_fn=weight_fn)))
+  got = step(True)(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
+  assert jax.tree.map(lambda g: g.sharding.spec, got[1]) == specs
+  counts = collective_counts(step(True).lower(*args).compile())
+  assert counts == collective_counts(step(False).lower(*args).compile())
+  split = sum(spec == P("data") for spec in jax.tree.leaves(specs))
+  assert counts["all-gather"] == counts["reduce-scatter"] == split > 0
+
+
+def test_nnx_decoder_inputs_packed_per_shard():
+  """Tunix's NNX Llama on inputs packed per shard (`pack_decoder_inputs(batch_axes=)`), its
+  attention per sequence on each device: one device's dense gradient, and the dense step's
+  collectives."""
+  from flax import nnx
+
+  from examples.pretrained import tunix_logits
+  graphdef, params = tiny_nnx_llama()
+  model = nnx.merge(graphdef, params)
   ids, mask, _ = _batch(7, "left")
   capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
   mesh = _mesh()

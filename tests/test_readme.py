@@ -70,13 +70,17 @@ def test_the_nnx_snippet_runs_after_the_quick_start_and_is_exact():
   assert_every_gradient_close(nnx.state(scope["nnx_grads"], nnx.Param), want)
 
 
-def test_the_several_gpus_snippet_runs_after_the_quick_start_and_is_exact():
+def test_the_several_gpus_snippets_run_after_the_quick_start_and_are_exact():
   """On the test machine's 4 host devices (tests/conftest.py): one device's gradients, with
-  each device selecting its rows and with each packing them."""
+  each device selecting its rows, with each packing them, and with FSDP (`fsdp_loss`), the
+  gradients then split as their params."""
   scope = {}
   exec(compile("".join(_python_blocks("## Quick start")), str(README), "exec"), scope)
-  (snippet,) = _python_blocks("### Several GPUs: `batch_axes`")
-  exec(compile(snippet, str(README), "exec"), scope)
+  data_parallel, fsdp = _python_blocks("### Several GPUs: `batch_axes`")
+  exec(compile(data_parallel + fsdp, str(README), "exec"), scope)
   assert scope["mesh"].size == jax.device_count() > 1
   assert_every_gradient_close(scope["dp_grads"], scope["grads"])
   assert_every_gradient_close(scope["packed_dp_grads"], scope["bert_grads"], rtol=2e-5)
+  assert_every_gradient_close(scope["fsdp_grads"], scope["bert_grads"], rtol=2e-5)
+  split = [g for g in jax.tree.leaves(scope["fsdp_grads"]) if not g.sharding.is_fully_replicated]
+  assert split and all(g.sharding.spec[0] == "data" for g in split)

@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
-from sebp_jax.sharding import collective_counts, row_sharding, shard_row_counts
+from sebp_jax.losses import linear_cross_entropy
+from sebp_jax.sharding import collective_counts, fsdp_loss, row_sharding, shard_row_counts
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -109,16 +110,21 @@ def test_linen_gradient_equals_one_device_and_adds_no_collective(axis_type, case
             == collective_counts(dense.lower(*args).compile()))
 
 
-def _shard_map_outputs(jaxpr):
-  """The output avals of every shard_map in ``jaxpr``, nested ones included."""
+def _all_eqns(jaxpr):
+  """Every equation of ``jaxpr``, nested ones included."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "shard_map":
-      yield from (v.aval for v in eqn.outvars)
+    yield eqn
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          yield from _shard_map_outputs(sub)
+          yield from _all_eqns(sub)
+
+
+def _shard_map_outputs(jaxpr):
+  """The output avals of every shard_map in ``jaxpr``, nested ones included."""
+  return (v.aval for eqn in _all_eqns(jaxpr) if eqn.primitive.name == "shard_map"
+          for v in eqn.outvars)
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_index", "per_layer"])
@@ -395,6 +401,61 @@ def test_errors_name_the_argument():
                 mesh=mesh)
   # Rows the shards do not divide evenly select over the whole batch.
   assert row_sharding(jnp.ones((3, 4, 2)), 2, batch_axes=("data",), mesh=mesh) is None
+
+
+def test_ops_in_a_shard_map_sum_a_replicated_input_gradient_over_devices():
+  """The ops called inside a user's ``jax.shard_map`` on each device's rows, with weights that
+  every device holds whole: each weight's gradient is the sum over the devices, as the dense
+  ops give it (not a per-device value, which JAX refuses for an input that does not vary)."""
+  rng = np.random.default_rng(4)
+  x = rng.normal(size=(BATCH, FEATURES)).astype(np.float32)
+  ids = rng.integers(0, 10, BATCH)
+  kernel, bias, table = (rng.normal(size=shape) for shape in ((FEATURES, 6), 6, (10, 6)))
+  head, labels = rng.normal(size=(6, 5)), rng.integers(0, 5, BATCH)
+  weights = rng.uniform(size=BATCH).astype(np.float32)
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), (kernel, bias, table, head))
+
+  def loss(params, x, ids, labels, weights, sebp):
+    kernel, bias, table, head = params
+    rows = x.shape[0]
+    if sebp:
+      h = sebp_linear(x, kernel, bias, top_n=rows) + sebp_embed_lookup(table, ids, top_n=rows)
+    else:
+      h = x @ kernel + bias + table[ids]
+    return jnp.sum(jnp.sin(h)) + linear_cross_entropy(h, head, None, labels, weights, chunk=2)
+
+  want = jax.grad(loss)(params, x, ids, labels, weights, False)
+  mesh = _mesh(AxisType.Auto)
+  per_device = jax.shard_map(
+      lambda *args: jax.lax.psum(loss(*args, sebp=True), "data"), mesh=mesh,
+      in_specs=(P(), P("data"), P("data"), P("data"), P("data")), out_specs=P())
+  got = jax.jit(jax.grad(per_device))(params, x, ids, labels, weights)
+  assert_every_gradient_close(got, want, rtol=1e-5)
+
+  # float32 weights used in bfloat16: their sums cross devices in bfloat16, as the dense ops'.
+  def bf16_loss(params, x, ids):
+    kernel, bias, table, _ = params
+    h = (sebp_linear(x, kernel, bias, top_n=2, dtype=jnp.bfloat16)
+         + sebp_embed_lookup(table, ids, top_n=2, dtype=jnp.bfloat16))
+    return jax.lax.psum(jnp.sum(h.astype(jnp.float32)), "data")
+
+  per_device = jax.shard_map(bf16_loss, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                             out_specs=P())
+  jaxpr = jax.make_jaxpr(jax.grad(per_device))(params, x, ids).jaxpr
+  sums = [eqn.invars[0].aval for eqn in _all_eqns(jaxpr)
+          if "psum" in eqn.primitive.name and eqn.invars[0].aval.ndim]
+  assert sorted(aval.shape for aval in sums) == sorted([(6,), (FEATURES, 6), (10, 6)])
+  assert {aval.dtype for aval in sums} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_fsdp_loss_errors_name_the_argument():
+  mesh = _mesh(AxisType.Auto)
+  loss = lambda params, batch: jnp.sum(batch @ params)
+  with pytest.raises(ValueError, match=r"param_specs: expected P\('data'\).*got "
+                                       r"(P|PartitionSpec)\(None, 'data'\)"):
+    fsdp_loss(loss, mesh, P(None, "data"))
+  with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
+    fsdp_loss(loss, mesh, P("data"), axis="model")
 
 
 def test_auto_mesh_without_batch_axes_warns(caplog):
