@@ -14,8 +14,8 @@ of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gather
 at its start, with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
 layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.fsdp_loss`,
 each device running the one-device loss on its rows with every collective written out):
-every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``) at the fullest shard's real
-tokens, and each record carries the compiled step's collectives and its weak-scaling
+every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
+at the fullest shard's real tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
 that device (``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity).
 Every device holds the one-device batch's lengths (``--shard-lengths drawn``: its own, and

@@ -154,6 +154,13 @@ def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:
   return jax.sharding.reshard(array, P())
 
 
+def _floating_as(array: Array, dtype: Any) -> Array:
+  """``array`` cast to ``dtype`` where both are given and it is floating; else as it is."""
+  if dtype is None or not jnp.issubdtype(array.dtype, jnp.floating):
+    return array
+  return array.astype(dtype)
+
+
 def vary_alike(*arrays: Array | None, dtype: Any = None) -> tuple[Array | None, ...]:
   """``arrays`` (None passes through), each made to vary over every manual mesh axis that any
   of them varies over (in a ``jax.shard_map``; a no-op outside one). A ``custom_vjp`` must
@@ -168,13 +175,9 @@ def vary_alike(*arrays: Array | None, dtype: Any = None) -> tuple[Array | None, 
     return frozenset() if manual is None else frozenset(manual.varying)
 
   axes = frozenset().union(*(vary(a) for a in arrays if a is not None))
-
-  def cast(array):
-    floating = jnp.issubdtype(array.dtype, jnp.floating)
-    return array.astype(dtype) if dtype is not None and floating else array
-
   return tuple(a if a is None or vary(a) >= axes
-               else jax.lax.pcast(cast(a), tuple(sorted(axes - vary(a))), to="varying")
+               else jax.lax.pcast(_floating_as(a, dtype), tuple(sorted(axes - vary(a))),
+                                  to="varying")
                for a in arrays)
 
 
@@ -265,9 +268,7 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   def gather(param, spec):
     if spec == P():
       return param
-    if gather_dtype is not None and jnp.issubdtype(param.dtype, jnp.floating):
-      param = param.astype(gather_dtype)
-    return jax.lax.all_gather(param, axis, tiled=True)
+    return jax.lax.all_gather(_floating_as(param, gather_dtype), axis, tiled=True)
 
   def per_device(params, batch):
     whole = jax.tree.map(gather, params, param_specs)
