@@ -10,8 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -63,6 +66,34 @@ def free_port() -> int:
     return probe.getsockname()[1]
 
 
+def join_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+  """Joins the ``jax.distributed`` run of ``num_processes`` (Gloo collectives between CPU
+  devices); before anything starts JAX's backends."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def launch_processes(module: str, num_processes: int, argv: list[str]) -> None:
+  """Runs ``python -m module *argv`` as ``num_processes`` processes of one device each (``GPU
+  i`` for process i, which joins with ``--process-id i --coordinator HOST:PORT``) and waits
+  for them; the first one prints. A process that fails raises here with its output."""
+  port = free_port()
+  workers = []
+  for rank in range(num_processes):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+    command = [sys.executable, "-m", module, *argv, "--process-id", str(rank),
+               "--coordinator", f"localhost:{port}"]
+    # The first process speaks; the others' output is kept for an error.
+    workers.append(subprocess.Popen(command, env=env, text=True,
+                                    stdout=None if rank == 0 else subprocess.PIPE,
+                                    stderr=None if rank == 0 else subprocess.STDOUT))
+  logs = [worker.communicate()[0] for worker in workers]
+  failed = [rank for rank, worker in enumerate(workers) if worker.returncode]
+  if failed:
+    raise RuntimeError(f"{module} processes {failed} failed:\n"
+                       + "\n".join((logs[rank] or "(output above)")[-3000:] for rank in failed))
+
+
 def record(**fields) -> dict:
   """One measurement, with the device and jax version it was taken on."""
   return {**fields, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__}
@@ -73,6 +104,13 @@ def append_json_lines(path: str | pathlib.Path | None, records: Iterable[dict]) 
   if path:
     with open(path, "a") as f:
       f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def read_json_lines(path: str | pathlib.Path | None) -> list[dict]:
+  """The records of a JSON-lines file (none when ``path`` is None or not there yet)."""
+  if not path or not pathlib.Path(path).exists():
+    return []
+  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
 def parse_pairs(text: str, what: str = "DxN") -> list[tuple[int, int]]:

@@ -13,7 +13,8 @@ With ``--devices 1,2``, data parallel over that many devices in turn (a mesh axi
 of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gathers them whole
 at its start, with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
 layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.fsdp_loss`,
-each device running the one-device loss on its rows with every collective written out):
+each device running the one-device loss on its rows with every collective written out, its
+embedding tables looked up in place, ``shard_map_gathered_tables`` gathered as the rest):
 every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
 at the fullest shard's real tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
@@ -79,9 +80,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import pathlib
-import subprocess
 import sys
 from typing import Any
 
@@ -95,8 +94,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from benchmarks.harness import (append_json_lines, free_port, median_ms, parse_positive_ints,
-                                parse_subset, record)
+from benchmarks.harness import (append_json_lines, join_processes, launch_processes, median_ms,
+                                parse_positive_ints, parse_subset, read_json_lines, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -109,7 +108,8 @@ LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
 #: What a mode's record can time: the loss, its gradient, a whole AdamW step.
 STAGES = ("forward", "grad", "step")
-FSDP_KINDS = ("start", "layer", "shard_map")
+FSDP_KINDS = ("start", "layer", "shard_map", "shard_map_gathered_tables")
+PER_DEVICE_FSDP = ("shard_map", "shard_map_gathered_tables")  # sebp_jax.sharding.fsdp_loss
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
@@ -569,7 +569,7 @@ class Placement:
   def sebp_sharding(self) -> dict:
     """``use_sebp``'s arguments for the batch's split: none on one device, nor where each
     device runs the one-device loss on its own rows (``fsdp="shard_map"``)."""
-    if self.mesh is None or self.fsdp == "shard_map":
+    if self.mesh is None or self.fsdp in PER_DEVICE_FSDP:
       return {}
     return dict(batch_axes="data", mesh=self.mesh)
 
@@ -583,11 +583,12 @@ class Placement:
       batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
       if self.fsdp == "start":
         loss_fn = gathering_params(loss_fn, self.mesh)
-      elif self.fsdp == "shard_map":
+      elif self.fsdp in PER_DEVICE_FSDP:
         specs = jax.tree.map(lambda sharding: sharding.spec,
                              param_shardings(self.params, self.mesh, self.fsdp))
         loss_fn = fsdp_loss(loss_fn, self.mesh, specs, weight_fn=weight_fn,
-                            gather_dtype=jnp.bfloat16)
+                            gather_dtype=jnp.bfloat16,
+                            lookups_in_place=("auto" if self.fsdp == "shard_map" else False))
     optimizer = self.optimizer
 
     def step(params, opt_state, batch):
@@ -804,38 +805,6 @@ def print_best_batches(best) -> None:
           f"{'' if ratio is None else f'{ratio:.2f}x':>20}")
 
 
-def join_processes(coordinator: str, num_processes: int, process_id: int) -> None:
-  """Joins the ``jax.distributed`` run of ``num_processes`` (Gloo collectives between CPU
-  devices); before anything starts JAX's backends."""
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
-
-
-def launch_processes(num_processes: int, argv: list[str], out: str | None) -> list[dict]:
-  """Runs this benchmark as ``num_processes`` processes of one device each (``GPU i`` for
-  process i) and waits for them; the first one prints and writes the records, which come
-  back from ``out``. A process that fails raises here with its output."""
-  port = free_port()
-  written = pathlib.Path(out).read_text().splitlines() if out and pathlib.Path(out).exists() else []
-  workers = []
-  for rank in range(num_processes):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
-    command = [sys.executable, "-m", "benchmarks.model", *argv, "--process-id", str(rank),
-               "--coordinator", f"localhost:{port}"]
-    # The first process speaks; the others' output is kept for an error.
-    workers.append(subprocess.Popen(command, env=env, text=True,
-                                    stdout=None if rank == 0 else subprocess.PIPE,
-                                    stderr=None if rank == 0 else subprocess.STDOUT))
-  logs = [worker.communicate()[0] for worker in workers]
-  failed = [rank for rank, worker in enumerate(workers) if worker.returncode]
-  if failed:
-    raise RuntimeError(f"benchmark processes {failed} failed:\n"
-                       + "\n".join((logs[rank] or "(output above)")[-3000:] for rank in failed))
-  if not out:
-    return []
-  return [json.loads(line) for line in pathlib.Path(out).read_text().splitlines()[len(written):]]
-
-
 def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
   """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
   name, sep, value = text.partition("=")
@@ -879,7 +848,8 @@ def main(argv=None) -> list[dict]:
                            "gathered whole at the step's start (start, the default), where "
                            "XLA places the gathers, layer by layer (layer), or by each device "
                            "in a shard_map running the one-device loss on its rows "
-                           "(shard_map: sebp_jax.sharding.fsdp_loss)")
+                           "(shard_map: sebp_jax.sharding.fsdp_loss, embedding tables looked "
+                           "up in place; shard_map_gathered_tables: gathered as the rest)")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "
@@ -925,8 +895,10 @@ def main(argv=None) -> list[dict]:
   if (args.process_id is None) != (args.coordinator is None):
     parser.error("--process-id and --coordinator go together")
   if args.process_id is None and args.processes > 1:
-    return launch_processes(args.processes, list(sys.argv[1:] if argv is None else argv),
-                            args.out)
+    written = len(read_json_lines(args.out))
+    launch_processes("benchmarks.model", args.processes,
+                     list(sys.argv[1:] if argv is None else argv))
+    return read_json_lines(args.out)[written:]
   if args.process_id is not None:
     join_processes(args.coordinator, args.processes, args.process_id)
     if any(devices != jax.device_count() for devices in args.devices):

@@ -14,14 +14,16 @@ instruction. Prints, per model, a table of the largest rows with one column per 
 writes every row with ``--out``.
 
 ``--devices N`` traces the data-parallel call of ``benchmarks.model --devices N`` (every
-device the one-device batch's lengths), ``--call step`` the whole AdamW step in place of the
-gradient. Each mode then also gets a timeline per device, ms per call: the wall time of the
-call, the time any kernel runs (busy), the time a computation runs, the collectives' time, and
-the part of it no computation overlaps (exposed): what the devices spend waiting on each other
-or on the host.
+device the one-device batch's lengths; ``--fsdp`` as there), ``--call step`` the whole AdamW
+step in place of the gradient. Each mode then also gets a timeline per device, ms per call:
+the wall time of the call, the time any kernel runs (busy), the time a computation runs, the
+collectives' time, and the part of it no computation overlaps (exposed): what the devices
+spend waiting on each other or on the host. The traced calls are dispatched back to back and
+synced once, as a training loop runs them. ``--processes N`` traces as N processes of one GPU
+each (as ``benchmarks.model --processes``); the first process's device is reported.
 
-    python -m benchmarks.profile_model --model llama --modes dense,sebp_packed --devices 4 \
-        --call step
+    python -m benchmarks.profile_model --model llama --modes dense,sebp_packed --devices 2 \
+        --processes 2 --fsdp shard_map --call step
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import logging
 import os
 import pathlib
 import re
+import sys
 import tempfile
 import time
 
@@ -40,8 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax._src import xla_bridge
 
-from benchmarks.model import (MODES, SETUPS, Placement, build_model, make_batch, mode_loss,
-                              parse_modes, setup_for)
+from benchmarks.harness import join_processes, launch_processes
+from benchmarks.model import (FSDP_KINDS, MODES, SETUPS, Placement, build_model, loss_weight,
+                              make_batch, mode_loss, parse_modes, setup_for)
 from sebp_jax.sharding import shard_row_counts
 from sebp_jax.implementations import implementation_names
 
@@ -167,32 +171,39 @@ def device_timeline(trace_dir: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def profile(kind: str, modes, *, iterations: int, backend: str, tiny: bool, by: str,
-            devices: int = 1, call: str = "grad"):
+            devices: int = 1, call: str = "grad", fsdp: str | None = None):
   """{mode: {row: ms per call}} for the model benchmark's ``kind``, and {mode: {device:
-  timeline, ms per call}} (:func:`device_timeline`, with the call's wall time)."""
+  timeline, ms per call}} (:func:`device_timeline`, with the call's wall time); ``fsdp`` as
+  ``benchmarks.model``'s."""
   setup = setup_for(kind, tiny)
   model = build_model(kind, tiny, jnp.bfloat16)
   batch = make_batch(kind, model, setup, 0, shards=devices, shard_lengths="same")
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
-  placement = Placement.make(model.params, devices, fsdp=None)
+  placement = Placement.make(model.params, devices, fsdp=fsdp)
   report, timelines = {}, {}
   for mode in modes:
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
-                                    placement.sebp_sharding)
-    fn, args = placement.calls(loss_fn, host_batch, stages=(call,))[call]
+                                    placement.sebp_sharding, num_shards=devices)
+    fn, args = placement.calls(loss_fn, host_batch, stages=(call,),
+                               weight_fn=loss_weight(kind))[call]
     if not hasattr(fn, "as_text"):
       fn = fn.lower(*args).compile()
     op_names = hlo_op_names(fn.as_text()) if by == "op" else None
-    jax.block_until_ready(fn(*args))
+    for _ in range(2):  # The second call's buffers are those the traced calls reuse.
+      jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
         begin = time.perf_counter()
         for _ in range(iterations):
-          jax.block_until_ready(fn(*args))
+          out = None  # One result alive at a time, as in the timed benchmark.
+          out = fn(*args)
+        jax.block_until_ready(out)
+        out = None
         wall_ms = (time.perf_counter() - begin) * 1e3 / iterations
       totals = device_time(pathlib.Path(trace_dir), op_names)
       timeline = device_timeline(pathlib.Path(trace_dir))
-    report[mode] = {row: ms / devices / iterations for row, ms in totals.items()}
+    local_devices = devices // jax.process_count()  # The devices this process traced.
+    report[mode] = {row: ms / local_devices / iterations for row, ms in totals.items()}
     timelines[mode] = {device: {"wall_ms": wall_ms,
                                 **{k: v / iterations for k, v in times.items()}}
                        for device, times in timeline.items()}
@@ -236,27 +247,49 @@ def main(argv=None) -> dict:
                       help="data parallel over this many devices (benchmarks.model --devices)")
   parser.add_argument("--call", choices=("grad", "step"), default="grad",
                       help="trace the gradient or the whole AdamW step")
+  parser.add_argument("--fsdp", choices=FSDP_KINDS, default=None,
+                      help="on several devices, the weight matrices split over them too, as "
+                           "benchmarks.model --fsdp")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="trace as this many processes of one GPU each (jax.distributed); "
+                           "--devices must then be the processes' devices together")
+  parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--top", type=int, default=30, help="rows printed per model")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--out", default=None, help="write every row as JSON here")
   args = parser.parse_args(argv)
   if args.iterations <= 0:
     parser.error("--iterations must be positive")
+  if args.devices <= 0 or args.processes <= 0:
+    parser.error("--devices and --processes must be positive")
+  if args.fsdp and args.devices == 1:
+    parser.error("--fsdp splits the weights over several devices: add --devices N")
   turn_off_command_buffers()
-  if args.devices <= 0:
-    parser.error("--devices must be positive")
+  if args.process_id is None and args.processes > 1:
+    launch_processes("benchmarks.profile_model", args.processes,
+                     list(sys.argv[1:] if argv is None else argv))
+    return json.loads(pathlib.Path(args.out).read_text())["models"] if args.out else {}
+  if args.process_id is not None:
+    join_processes(args.coordinator, args.processes, args.process_id)
+    if args.devices != jax.device_count():
+      parser.error(f"--devices {args.devices}: with --processes the trace spans all "
+                   f"{jax.device_count()} devices of the processes")
   report, timelines = {}, {}
+  quiet = jax.process_index() != 0  # Several processes: the first one speaks for all.
   for kind in args.model or ["bert"]:
     report[kind], timelines[kind] = profile(
         kind, args.modes, iterations=args.iterations, backend=args.backend, tiny=args.tiny,
-        by=args.by, devices=args.devices, call=args.call)
-    print_table(kind, report[kind], args.top, args.call)
-    print_timelines(kind, timelines[kind])
-  if args.out:
+        by=args.by, devices=args.devices, call=args.call, fsdp=args.fsdp)
+    if not quiet:
+      print_table(kind, report[kind], args.top, args.call)
+      print_timelines(kind, timelines[kind])
+  if args.out and not quiet:
     pathlib.Path(args.out).write_text(json.dumps(
         {"device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
          "by": args.by, "iterations": args.iterations, "devices": args.devices,
-         "call": args.call, "models": report, "timelines": timelines}, indent=1))
+         "call": args.call, "fsdp": args.fsdp, "processes": args.processes,
+         "models": report, "timelines": timelines}, indent=1))
   return report
 
 

@@ -20,7 +20,8 @@ that split the batch:
 A step may instead be written per device, its loss in a ``jax.shard_map`` whose every device
 runs the one-device loss on its own rows (:func:`fsdp_loss`, FSDP with the gathers and
 reduce-scatters placed there); the ops then see one device's rows, and :func:`vary_alike`
-sums a replicated weight's gradient over the devices.
+sums a replicated weight's gradient over the devices. A split embedding table need not be
+gathered there: :func:`split_table_lookup` looks each device's ids up where the rows are.
 
 A :class:`RowSharding` says how a layer's rows are split: over the mesh axes of its first
 (batch) dimension. Under an ``Explicit`` mesh the array's type tells; under an ``Auto`` mesh the
@@ -30,14 +31,17 @@ types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import re
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.linen.dtypes import promote_dtype
 from jax.sharding import AxisType, PartitionSpec as P
 
 Array = jax.Array
@@ -221,8 +225,53 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
   return row_outputs, tuple(sums)
 
 
+def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int) -> Array:
+  """``table[ids]`` on each device of a ``jax.shard_map`` over ``axis``, for a ``table`` of
+  ``num_embeddings`` rows split over ``axis`` by rows (``shard``: this device's block), each
+  device with its own ``ids``: every device looks up every device's ids among its own rows and
+  a reduce-scatter hands each device the rows of its ids. What crosses devices are the ids
+  and the rows looked up, not the table; under ``jax.grad`` dY's rows are gathered back and
+  the table's gradient stays split (a scatter-add into each device's own rows). Ids out of
+  ``[-num_embeddings, num_embeddings)`` read NaN, as with ``jnp.take``."""
+  rows = shard.shape[0]
+  ids = jnp.where(ids < 0, ids + num_embeddings, ids)
+  every = jax.lax.all_gather(ids, axis)  # [devices, *ids.shape]
+  local = every - jax.lax.axis_index(axis) * rows
+  owned = (local >= 0) & (local < rows)
+  # Another device's id reads zeros here, by an index past the end: the backward's
+  # scatter-add then drops it, where any real row would take every such add, one at a time.
+  found = jnp.take(shard, jnp.where(owned, local, rows), axis=0, mode="fill", fill_value=0)
+  looked_up = jax.lax.psum_scatter(found, axis, scatter_dimension=0)
+  valid = (ids >= 0) & (ids < num_embeddings)
+  return jnp.where(valid[..., None], looked_up, jnp.array(jnp.nan, looked_up.dtype))
+
+
+def _looking_up_in_place(tables: dict[int, Array], axis: str, devices: int,
+                         always: bool) -> Callable:
+  """A Linen interceptor: an ``nn.Embed`` lookup whose table is one of ``tables`` (``{id of
+  the gathered table: this device's shard}``) runs :func:`split_table_lookup` on the shard,
+  ``always`` or where the rows it moves are fewer than the table's; any other call runs as it
+  is."""
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    # Only nn.Embed's own lookup: a subclass's __call__, or attend, may read the table whole.
+    if (context.method_name != "__call__" or not isinstance(module, nn.Embed)
+        or type(module).__call__ is not nn.Embed.__call__):
+      return next_fun(*args, **kwargs)
+    shard = tables.get(id(module.embedding))
+    (ids,) = args or (kwargs["inputs"],)
+    if shard is None or not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+      return next_fun(*args, **kwargs)
+    if not always and devices * jnp.size(ids) >= module.num_embeddings:
+      return next_fun(*args, **kwargs)
+    (shard,) = promote_dtype(shard, dtype=module.dtype, inexact=False)
+    return split_table_lookup(shard, ids, axis, module.num_embeddings)
+  return interceptor
+
+
 def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "data",
-              weight_fn: Callable | None = None, gather_dtype: Any = None) -> Callable:
+              weight_fn: Callable | None = None, gather_dtype: Any = None,
+              lookups_in_place: bool | str = "auto") -> Callable:
   """``loss_fn(params, batch)`` as the loss of a step over ``mesh``, written out per device:
   FSDP (ZeRO-3) whose every collective is placed here rather than left to XLA's partitioner.
 
@@ -236,6 +285,14 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   may be gathered again for the backward and their gradients summed whole before being split
   (all-reduces): this form has one all-gather and one reduce-scatter per split parameter, the
   dense step and an SEBP or packed one alike.
+
+  An embedding table may be the exception (``lookups_in_place``): a split table that a Linen
+  ``nn.Embed`` looks up (a Llama's 128k-row vocabulary) need not be gathered; each device
+  looks its rows up where they are (:func:`split_table_lookup`), so that the ids and the rows
+  cross devices in place of the table, in the forward and in the backward. The table's
+  all-gather at the step's start and its reduce-scatter at the end, which nothing can
+  overlap, become collectives of the looked-up rows' size. A table also read whole (a tied
+  head's ``attend``) is gathered for that use as before.
 
   Args:
     loss_fn: the one-device loss, ``loss_fn(params, batch) -> scalar``, an average over its
@@ -252,6 +309,11 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     gather_dtype: the dtype a split floating parameter is gathered in, the compute dtype it is
       cast to anyway (bfloat16 for float32 weights used in bfloat16: half the bytes both
       ways), or None (its own).
+    lookups_in_place: where to look a split embedding table up in place rather than gather
+      it (``nn.Embed`` of Linen models, given the table as ``loss_fn`` was): ``"auto"``
+      (default) where the rows the lookup moves, devices times its ids, are fewer than the
+      table's (a vocabulary, not BERT's 512 positions under a batch of 16k tokens), True for
+      every such lookup, False for none.
 
   Returns:
     ``loss(params, batch) -> scalar``: the whole batch's loss, for params laid out as
@@ -259,24 +321,31 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   """
   if axis not in mesh.shape:
     raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if lookups_in_place not in ("auto", True, False):
+    raise ValueError(f"lookups_in_place must be 'auto', True or False, got {lookups_in_place!r}")
   split = P(axis)
   for spec in jax.tree.leaves(param_specs):
     if not isinstance(spec, P) or (spec != P() and (spec[:1] != (axis,) or any(spec[1:]))):
       raise ValueError(f"param_specs: expected P({axis!r}) (split along the first dimension) "
                        f"or P() (replicated) for every parameter, got {spec!r}")
 
-  def gather(param, spec):
-    if spec == P():
-      return param
-    return jax.lax.all_gather(_floating_as(param, gather_dtype), axis, tiled=True)
-
   def per_device(params, batch):
-    whole = jax.tree.map(gather, params, param_specs)
+    shards = jax.tree.map(lambda p, spec: p if spec == P() else _floating_as(p, gather_dtype),
+                          params, param_specs)
+    whole = jax.tree.map(lambda shard, spec: shard if spec == P()
+                         else jax.lax.all_gather(shard, axis, tiled=True), shards, param_specs)
+    # A gathered table that only lookups read is left unused, and XLA drops its gather.
+    tables = {id(w): s for w, s, spec in zip(jax.tree.leaves(whole), jax.tree.leaves(shards),
+                                             jax.tree.leaves(param_specs)) if spec != P()}
     weight = (jnp.float32(jax.tree.leaves(batch)[0].shape[0]) if weight_fn is None
               else jnp.asarray(weight_fn(batch), jnp.float32))
     total = jax.lax.psum(weight, axis)
     share = weight / jnp.where(total == 0, 1.0, total)
-    return jax.lax.psum(loss_fn(whole, batch) * share, axis)
+    in_place = (contextlib.nullcontext() if lookups_in_place is False else nn.intercept_methods(
+        _looking_up_in_place(tables, axis, mesh.shape[axis], always=lookups_in_place is True)))
+    with in_place:
+      loss = loss_fn(whole, batch)
+    return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
 

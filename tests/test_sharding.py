@@ -19,7 +19,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.losses import linear_cross_entropy
-from sebp_jax.sharding import collective_counts, fsdp_loss, row_sharding, shard_row_counts
+from sebp_jax.sharding import (collective_counts, fsdp_loss, row_sharding, shard_row_counts,
+                               split_table_lookup)
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -448,6 +449,58 @@ def test_ops_in_a_shard_map_sum_a_replicated_input_gradient_over_devices():
   assert {aval.dtype for aval in sums} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_split_table_lookup_is_take_with_the_table_left_split():
+  """`split_table_lookup` in a `shard_map` over 4 devices, the table split by rows and each
+  device with ids of its own (negative ones, and two out of range): `jnp.take` of the whole
+  table, NaN where an id is out of range and where a row read holds one; its gradient is
+  take's, and comes back split as the table."""
+  mesh = _mesh(AxisType.Auto)
+  rng = np.random.default_rng(3)
+  table = jnp.asarray(rng.normal(size=(16, 5)), jnp.float32).at[6, 2].set(jnp.nan)
+  ids = jnp.asarray(rng.integers(-16, 16, size=(8, 3)), jnp.int32)
+  ids = ids.at[1, 1].set(16).at[5, 0].set(-17).at[2, 2].set(6)
+  dy = jnp.asarray(rng.normal(size=(8, 3, 5)), jnp.float32)
+  lookup = jax.jit(jax.shard_map(lambda t, i: split_table_lookup(t, i, "data", 16), mesh=mesh,
+                                 in_specs=(P("data"), P("data")), out_specs=P("data")))
+  split_table = jax.device_put(table, NamedSharding(mesh, P("data")))
+  got, got_vjp = jax.vjp(lambda t: lookup(t, ids), split_table)
+  want, want_vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)
+  np.testing.assert_array_equal(got, want)
+  assert np.isnan(got[1, 1]).all() and np.isnan(got[2, 2, 2])
+  (got_grad,), (want_grad,) = got_vjp(dy), want_vjp(dy)
+  np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6)
+  assert got_grad.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+def test_fsdp_loss_looks_a_table_up_in_place_where_that_moves_fewer_rows():
+  """`fsdp_loss(lookups_in_place="auto")` on a Linen model with two split tables: the large
+  one (256 rows, 4 devices of 6 ids) is looked up in place (its ids and dY's rows gathered,
+  the rows reduce-scattered), the small one (16 rows) gathered and its gradient
+  reduce-scattered; loss and gradient are one device's."""
+  class TwoTables(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return nn.Embed(256, 8, name="large")(ids) * nn.Embed(16, 8, name="small")(ids % 16)
+
+  rng = np.random.default_rng(4)
+  ids = jnp.asarray(rng.integers(0, 256, size=(8, 3)), jnp.int32)
+  net = TwoTables()
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                        net.init(jax.random.key(0), ids)["params"])
+  loss = lambda params, ids: jnp.mean(net.apply({"params": params}, ids) ** 2)
+  want = jax.value_and_grad(loss)(params, ids)
+  mesh = _mesh(AxisType.Auto)
+  specs = jax.tree.map(lambda _: P("data"), params)
+  args = (jax.device_put(params, NamedSharding(mesh, P("data"))),
+          jax.device_put(ids, NamedSharding(mesh, P("data"))))
+  step = jax.jit(jax.value_and_grad(fsdp_loss(loss, mesh, specs)))
+  got = step(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  assert_every_gradient_close(got[1], want[1], rtol=1e-5)
+  assert collective_counts(step.lower(*args).compile()) == {
+      "all-gather": 3, "reduce-scatter": 2, "all-reduce": 2}
+
+
 def test_fsdp_loss_errors_name_the_argument():
   mesh = _mesh(AxisType.Auto)
   loss = lambda params, batch: jnp.sum(batch @ params)
@@ -456,6 +509,8 @@ def test_fsdp_loss_errors_name_the_argument():
     fsdp_loss(loss, mesh, P(None, "data"))
   with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
     fsdp_loss(loss, mesh, P("data"), axis="model")
+  with pytest.raises(ValueError, match="lookups_in_place must be 'auto', True or False"):
+    fsdp_loss(loss, mesh, P("data"), lookups_in_place="always")
 
 
 def test_auto_mesh_without_batch_axes_warns(caplog):
