@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import os
+import pathlib
 import socket
 import statistics
 import subprocess

@@ -14,7 +14,8 @@ of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gather
 at its start, with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
 layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.fsdp_loss`,
 each device running the one-device loss on its rows with every collective written out, its
-embedding tables looked up in place, ``shard_map_gathered_tables`` gathered as the rest):
+embedding tables looked up in place where that moves fewer rows, or with
+``shard_map_gathered_tables`` gathered as the rest):
 every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
 at the fullest shard's real tokens, and each record carries the compiled step's collectives and its weak-scaling
 efficiency (one device's step time over this one's). Packing packs each device's rows on
@@ -849,7 +850,8 @@ def main(argv=None) -> list[dict]:
                            "XLA places the gathers, layer by layer (layer), or by each device "
                            "in a shard_map running the one-device loss on its rows "
                            "(shard_map: sebp_jax.sharding.fsdp_loss, embedding tables looked "
-                           "up in place; shard_map_gathered_tables: gathered as the rest)")
+                           "up in place where that moves fewer rows; "
+                           "shard_map_gathered_tables: gathered as the rest)")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "

@@ -233,6 +233,10 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   and the rows looked up, not the table; under ``jax.grad`` dY's rows are gathered back and
   the table's gradient stays split (a scatter-add into each device's own rows). Ids out of
   ``[-num_embeddings, num_embeddings)`` read NaN, as with ``jnp.take``."""
+  if jnp.ndim(shard) != 2:
+    raise ValueError(f"shard must be 2-D [rows, features], got shape {jnp.shape(shard)}")
+  if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+    raise ValueError(f"ids must be integer token ids, got dtype {jnp.asarray(ids).dtype}")
   rows = shard.shape[0]
   ids = jnp.where(ids < 0, ids + num_embeddings, ids)
   every = jax.lax.all_gather(ids, axis)  # [devices, *ids.shape]

@@ -511,6 +511,10 @@ def test_fsdp_loss_errors_name_the_argument():
     fsdp_loss(loss, mesh, P("data"), axis="model")
   with pytest.raises(ValueError, match="lookups_in_place must be 'auto', True or False"):
     fsdp_loss(loss, mesh, P("data"), lookups_in_place="always")
+  with pytest.raises(ValueError, match=r"shard must be 2-D \[rows, features\], got shape \(4,\)"):
+    split_table_lookup(jnp.zeros(4), jnp.zeros(3, jnp.int32), "data", 16)
+  with pytest.raises(ValueError, match="ids must be integer token ids, got dtype float32"):
+    split_table_lookup(jnp.zeros((4, 2)), jnp.zeros(3), "data", 16)
 
 
 def test_auto_mesh_without_batch_axes_warns(caplog):
