@@ -17,15 +17,17 @@ each device running the one-device loss on its rows with every collective writte
 embedding tables looked up in place where that moves fewer rows, or with
 ``shard_map_gathered_tables`` gathered as the rest):
 every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
-at the fullest shard's real tokens, and each record carries the compiled step's collectives and its weak-scaling
-efficiency (one device's step time over this one's). Packing packs each device's rows on
-that device (``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity).
-Every device holds the one-device batch's lengths (``--shard-lengths drawn``: its own, and
-``--balance`` evens them); ``--processes 4 --devices 4`` runs one process per GPU
-(``jax.distributed``) in place of one process driving all four. Each call is synced before
-the next (the host's dispatch timed too) unless ``--calls-per-repeat`` dispatches several
-back to back, as a training loop does; ``--stages step`` times the step alone;
-``--compiler-option`` passes XLA options to the runs on several devices.
+at the fullest shard's real tokens, and each record carries the compiled step's collectives,
+its weak-scaling efficiency (one device's step time over this one's) and the share of one
+device's speedup over dense it keeps. Packing packs each device's rows on that device
+(``use_sebp(packed=True, batch_axes="data")``, the fullest shard's capacity). Every device
+holds the one-device batch's lengths (``--shard-lengths drawn``: its own, and ``--balance``
+evens them); ``--processes 4 --devices 4`` runs one process per GPU (``jax.distributed``) in
+place of one process driving all four, measured against the one-device records already in
+``--out`` (a ``--devices 1`` run before). Each call is synced before the next (the host's
+dispatch timed too) unless ``--calls-per-repeat`` dispatches several back to back, as a
+training loop does; ``--stages step`` times the step alone; ``--compiler-option`` passes XLA
+options to the runs on several devices.
 
 Modes:
   dense          fixed padding, dense backward
@@ -624,8 +626,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
 
   With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
-  ``fsdp``); a record of ``baseline`` (one device, same mode) gives the weak-scaling
-  efficiency, one device's step time over this one's. ``batch_size``: in place of the
+  ``fsdp``); the last record of ``baseline`` (one device, same model, mode and batch size)
+  gives the weak-scaling efficiency, one device's step time over this one's, and the share
+  of one device's speedup over dense that this run keeps. ``batch_size``: in place of the
   setup's (per device). ``shard_lengths``: every device's rows with the one-device batch's
   lengths (``"same"``: weak scaling at equal work) or lengths drawn for each (``"drawn"``);
   ``balance``: the drawn batch's rows reordered so that the devices hold about equal real
@@ -708,10 +711,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         peak_bytes=peak_bytes(compiled_step), collectives=collective_counts(compiled_step),
         collective_bytes=collective_bytes(compiled_step))
     row.update(real_token_throughput(row, num_params))
-    one_device = next((r for r in baseline if r["model"] == kind and r["mode"] == mode
-                       and "step_ms" in r), None)
-    if one_device:
-      row["scaling_efficiency"] = one_device["step_ms"] / row["step_ms"]
+    one_device = next((r for r in reversed(baseline) if r["model"] == kind
+                       and r["mode"] == mode and r.get("tiny") == tiny
+                       and r.get("batch_size") == setup.batch_size and "step_ms" in r), None)
     if dense is not None:
       dense_ms = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in dense.items()})
       for stage in [s for s in ("backward", "grad", "step") if f"{s}_ms" in timed]:
@@ -721,6 +723,11 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                                                   float(per_round.max())]
       if dense_peak and row["peak_bytes"]:
         row["peak_memory_vs_dense"] = row["peak_bytes"] / dense_peak
+    if one_device:
+      row["scaling_efficiency"] = one_device["step_ms"] / row["step_ms"]
+      if "step_speedup_vs_dense" in one_device and "step_speedup_vs_dense" in row:
+        row["share_of_one_device_speedup"] = (row["step_speedup_vs_dense"]
+                                              / one_device["step_speedup_vs_dense"])
     rows.append(row)
     append_json_lines(None if quiet else out, [row])
   return rows
@@ -752,7 +759,7 @@ def real_token_throughput(row: dict, num_params: int) -> dict:
 def print_table(rows) -> None:
   header = (f"{'model':14} {'mode':28} {'dev':>3} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} "
             f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x (rounds)':>17} "
-            f"{'mem/dense':>9} {'scaling':>7}")
+            f"{'mem/dense':>9} {'scaling':>7} {'x kept':>6}")
   print(header)
   print("-" * len(header))
   nan = float("nan")
@@ -768,7 +775,8 @@ def print_table(rows) -> None:
           f"{r.get('grad_speedup_vs_dense', nan):6.2f} "
           f"{r.get('step_speedup_vs_dense', nan):5.2f} ({low:4.2f}-{high:4.2f}) "
           f"{r.get('peak_memory_vs_dense', nan):9.3f} "
-          f"{r.get('scaling_efficiency', nan):7.2f}")
+          f"{r.get('scaling_efficiency', nan):7.2f} "
+          f"{r.get('share_of_one_device_speedup', nan):6.2f}")
 
 
 def best_batches(rows) -> list[dict]:
@@ -907,10 +915,13 @@ def main(argv=None) -> list[dict]:
       parser.error(f"--devices {','.join(map(str, args.devices))}: with --processes every "
                    f"run spans all {jax.device_count()} devices of the processes")
   quiet = jax.process_index() != 0
+  # One-device records already in --out are the baseline of runs on several devices made
+  # apart from them (--processes runs span only the processes' devices).
+  earlier = [r for r in read_json_lines(args.out) if r.get("devices") == 1]
   rows = []
   for kind in args.model or sorted(SETUPS):
     for batch_size in args.batch_sizes or [None]:
-      one_device = []
+      one_device = earlier
       for devices in args.devices:
         runs = run(kind, modes, args.repeats, args.tiny, args.seed, args.backend, args.out,
                    devices=devices, fsdp=args.fsdp, baseline=one_device, rounds=args.rounds,

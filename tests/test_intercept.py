@@ -49,7 +49,7 @@ def test_bert_gradients_equal_dense(tiny_bert, shared_index):
   labels = np.array([0, 1, 1])
   num_real = int(mask.sum())
   kwargs = dict(top_n=num_real, active_mask=mask if shared_index else None, backend="xla")
-  want = jax.grad(classification_loss(tiny_bert, ids, mask, labels))(tiny_bert.params)
+  want = jax.jit(jax.grad(classification_loss(tiny_bert, ids, mask, labels)))(tiny_bert.params)
   sebp_loss = classification_loss(tiny_bert, ids, mask, labels, kwargs)
   got = jax.jit(jax.grad(sebp_loss))(tiny_bert.params)
   assert_every_gradient_close(got, want)
@@ -61,11 +61,11 @@ def test_llama_gradients_equal_dense(tiny_llama, shared_index, lm_head):
   ids, mask = _padded_batch(np.random.default_rng(1), 2, 16, 120)
   kwargs = dict(top_n=int(mask.sum()), active_mask=mask if shared_index else None,
                 lm_head=lm_head, backend="xla")
-  want = jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params)
+  want = jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask)))(tiny_llama.params)
   got = jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask, kwargs)))(tiny_llama.params)
   assert_every_gradient_close(got, want)
   with use_sebp(**kwargs) as report:
-    tiny_llama(ids, attention_mask=mask)
+    jax.eval_shape(lambda: tiny_llama(ids, attention_mask=mask))
   assert ("lm_head" in report.swapped) == lm_head
 
 
@@ -76,20 +76,22 @@ def test_lm_heads_of_bert_and_tied_heads():
   ids, mask = _padded_batch(np.random.default_rng(4), 2, 8, 120)
   head = "cls/predictions/transform/dense"
   with use_sebp(top_n=4) as report:
-    model(ids, attention_mask=mask)
+    jax.eval_shape(lambda: model(ids, attention_mask=mask))
   assert report.skipped[head] == "matched by exclude"
   # The decoder is tied to the word embedding and applied through .apply: a module of its own,
   # with no path in the model, which no pattern can select.
   assert report.skipped["<root>"] == "no path of its own (applied through .apply)"
   with use_sebp(top_n=4, lm_head=True) as report:
-    model(ids, attention_mask=mask)
+    jax.eval_shape(lambda: model(ids, attention_mask=mask))
   assert head in report.swapped and "<root>" in report.skipped
 
 
 def test_default_selection_and_report(tiny_bert, tiny_llama):
   ids, mask = _padded_batch(np.random.default_rng(2), 2, 8, 120)
+  # The report is filled while the model is traced: nothing needs to run.
+  trace = lambda model: jax.eval_shape(lambda: model(ids, attention_mask=mask))
   with use_sebp(top_n=4) as report:
-    tiny_bert(ids, attention_mask=mask)
+    trace(tiny_bert)
   # 2 layers x (query, key, value, attention output dense, intermediate dense, output dense).
   assert report.num_swapped == 12
   assert set(report.skipped) == {"bert/pooler/dense", "classifier"}
@@ -98,34 +100,34 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
                                for name in ("word", "position", "token_type")]
   assert "12 linear layers and 3 embeddings swapped" in report.summary()
   with use_sebp(top_n=4) as report:
-    tiny_llama(ids, attention_mask=mask)
+    trace(tiny_llama)
   assert report.num_swapped == 2 * 7 and "lm_head" in report.skipped
   assert report.embeddings == ["model/embed_tokens"]
   with use_sebp(top_n=4, lm_head=True, exclude=r"lm_head|embed") as report:
-    tiny_llama(ids, attention_mask=mask)
+    trace(tiny_llama)
   # lm_head=True wins over exclude (which still leaves the embedding alone).
   assert report.num_swapped == 2 * 7 + 1 and "lm_head" in report.swapped
   assert report.skipped == {"model/embed_tokens": "matched by exclude"}
   with use_sebp(top_n=4, embeddings=False) as report:
-    tiny_llama(ids, attention_mask=mask)
+    trace(tiny_llama)
   assert report.num_swapped == 2 * 7 and not report.embeddings
   with use_sebp(top_n=4, exclude=r"embed_tokens|lm_head") as report:
-    tiny_llama(ids, attention_mask=mask)
+    trace(tiny_llama)
   assert not report.embeddings and "model/embed_tokens" in report.skipped
   with use_sebp(top_n=4, include=r"mlp/(up|down)_proj$") as report:
-    tiny_llama(ids, attention_mask=mask)
+    trace(tiny_llama)
   assert report.num_swapped == 4 and all("mlp" in p for p in report.swapped)
   assert report.embeddings == ["model/embed_tokens"]  # include selects Dense layers only
   # A pattern that matches no Dense layer is loud, even though the embedding was swapped.
   with pytest.raises(RuntimeError, match="swapped no Dense layer"):
     with use_sebp(top_n=4, include=r"up_porj$"):
-      tiny_llama(ids, attention_mask=mask)
+      trace(tiny_llama)
 
 
 def test_shared_index_covers_layers_of_the_mask_shape(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(3), 2, 8, 120)
   with use_sebp(top_n=int(mask.sum()), active_mask=mask, exclude=None) as report:
-    tiny_bert(ids, attention_mask=mask)
+    jax.eval_shape(lambda: tiny_bert(ids, attention_mask=mask))
   # The pooler and the classifier see [B, H], not the mask's [B, L] tokens: left dense.
   assert report.skipped == {"bert/pooler/dense": "2 rows, not the 16 tokens of active_mask",
                             "classifier": "2 rows, not the 16 tokens of active_mask"}
@@ -159,13 +161,13 @@ def test_decorator_form_and_grad(tiny_bert):
   labels = np.array([1, 0])
   dense_loss = classification_loss(tiny_bert, ids, mask, labels)
   sebp_loss = use_sebp(top_n=int(mask.sum()), backend="xla")(dense_loss)
-  assert_every_gradient_close(jax.jit(jax.grad(sebp_loss))(tiny_bert.params),
-                     jax.grad(dense_loss)(tiny_bert.params))
+  dense_grads = jax.jit(jax.grad(dense_loss))(tiny_bert.params)
+  assert_every_gradient_close(jax.jit(jax.grad(sebp_loss))(tiny_bert.params), dense_grads)
   # Too small a top_n must change the gradient: the interceptor really acts. ("xla": "auto"
   # runs layers this small dense on a GPU, keeping every row.)
   starved = use_sebp(top_n=2, overflow="drop", backend="xla")(dense_loss)
-  got = jax.grad(starved)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
-  want = jax.grad(dense_loss)(tiny_bert.params)["bert"]["encoder"]["layer"]["0"]["intermediate"]
+  got = jax.jit(jax.grad(starved))(tiny_bert.params)
+  got, want = (g["bert"]["encoder"]["layer"]["0"]["intermediate"] for g in (got, dense_grads))
   assert not np.allclose(got["dense"]["kernel"], want["dense"]["kernel"], rtol=1e-3)
 
 
@@ -528,7 +530,7 @@ def test_packing_needs_a_capacity_known_on_the_host(tiny_bert):
     return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(3), labels])
 
   assert_every_gradient_close(jax.grad(packed_loss)(tiny_bert.params, mask),
-                              jax.grad(dense_loss)(tiny_bert.params))
+                              jax.jit(jax.grad(dense_loss))(tiny_bert.params))
   with pytest.raises(ValueError, match="token_capacity"):
     jax.jit(jax.grad(packed_loss))(tiny_bert.params, mask)
   with pytest.raises(ValueError, match="cannot drop tokens"):
@@ -589,7 +591,8 @@ def test_overflow_nan_on_a_causal_lm_whose_last_positions_weigh_nothing(tiny_lla
   assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(grad(tiny_llama.params, mask,
                                                                num_real - 3)))
   assert_every_gradient_close(grad(tiny_llama.params, mask, num_real),
-                              jax.grad(causal_lm_loss(tiny_llama, ids, mask))(tiny_llama.params))
+                              jax.jit(jax.grad(causal_lm_loss(tiny_llama, ids, mask)))(
+                                  tiny_llama.params))
 
 
 class SquareMixed(nn.Module):

@@ -49,6 +49,11 @@ def _loss(model, ids, mask, sebp_kwargs=None):
   return masked_causal_lm_loss(logits, ids, mask)
 
 
+def _loss_grad(model, ids, mask, sebp_kwargs=None):
+  """``nnx.grad(_loss)`` compiled (``nnx.jit``), the batch and options closed over."""
+  return nnx.jit(lambda m: nnx.grad(_loss)(m, ids, mask, sebp_kwargs))(model)
+
+
 # Each way of tying and remat with the shared index; the own rows of each layer once.
 @pytest.mark.parametrize("weight_tying,remat,shared_index", [
     (False, "NONE", False), (False, "NONE", True), (True, "BLOCK", True),
@@ -58,9 +63,8 @@ def test_tunix_llama_gradients_equal_nnx_grad(weight_tying, remat, shared_index)
   ids, mask = _batch(0)
   kwargs = dict(top_n=int(mask.sum()), lm_head=True, backend="xla",
                 active_mask=mask if shared_index else None)
-  grads = lambda m, *a: nnx.state(nnx.grad(_loss)(m, *a), nnx.Param)
-  want = grads(model, ids, mask)
-  got = nnx.jit(lambda m: grads(m, ids, mask, kwargs))(model)
+  want = nnx.state(_loss_grad(model, ids, mask), nnx.Param)
+  got = nnx.state(_loss_grad(model, ids, mask, kwargs), nnx.Param)
   assert_every_gradient_close(got, want)
 
 
@@ -88,12 +92,12 @@ def test_a_dropped_row_changes_the_gradient():
   model = _tiny_llama(weight_tying=True, remat="NONE")
   ids, mask = _batch(2)
   nonzero_rows = int(mask.sum()) - len(ids)
-  want = nnx.grad(_loss)(model, ids, mask)
-  same = nnx.grad(_loss)(model, ids, mask, dict(top_n=nonzero_rows, overflow="drop",
-                                                backend="xla", active_mask=mask))
+  want = _loss_grad(model, ids, mask)
+  same = _loss_grad(model, ids, mask, dict(top_n=nonzero_rows, overflow="drop",
+                                           backend="xla", active_mask=mask))
   assert_every_gradient_close(nnx.state(same, nnx.Param), nnx.state(want, nnx.Param))
-  fewer = nnx.grad(_loss)(model, ids, mask, dict(top_n=nonzero_rows - 1, overflow="drop",
-                                                 backend="xla", active_mask=mask))
+  fewer = _loss_grad(model, ids, mask, dict(top_n=nonzero_rows - 1, overflow="drop",
+                                            backend="xla", active_mask=mask))
   kernel = lambda g: np.asarray(g.layers[0].mlp.up_proj.kernel[...])
   assert not np.allclose(kernel(fewer), kernel(want), rtol=1e-4)
   assert jnp.isfinite(kernel(fewer)).all()
@@ -115,8 +119,9 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
     mask[:, 1] = 0
     ids = ids * mask
   capacity = int(mask.sum()) + 5  # Filler slots too.
-  padded = tunix_logits(model, ids, mask)
-  packed = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
+  logits = nnx.jit(tunix_logits, static_argnames=("capacity", "attention"))
+  padded = logits(model, ids, mask)
+  packed = logits(model, ids, mask, capacity=capacity, attention=attention)
   real = mask.astype(bool)
   np.testing.assert_allclose(packed[real], padded[real], rtol=1e-5, atol=1e-5)
   assert not np.any(packed[~real])
@@ -125,7 +130,7 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
     logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
     return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
 
-  want = nnx.state(nnx.grad(_loss)(model, ids, mask), nnx.Param)
+  want = nnx.state(_loss_grad(model, ids, mask), nnx.Param)
   assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_loss))(model), nnx.Param),
                               want)
 
@@ -135,7 +140,8 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
     assert len(report.swapped) == 14  # Tied: the LM head is the embedding's decode.
     return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
 
-  assert_every_gradient_close(nnx.state(nnx.grad(packed_sebp_loss)(model), nnx.Param), want)
+  assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_sebp_loss))(model), nnx.Param),
+                              want)
 
 
 def test_packed_inputs_overflowing_the_capacity_give_nan():
