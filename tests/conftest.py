@@ -1,13 +1,35 @@
 import os
+import shutil
+import tempfile
 
 # Four host (CPU) devices, for the tests of steps sharded over several devices
 # (tests/test_sharding.py); every other test runs on the first. Set before jax starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=4").strip()
+# Compiling dominates the tests' time, running the tiny models little: LLVM's optimisations
+# of the compiled code cost more than they save here.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# One compilation cache for the run, shared by the xdist workers (started after this runs in
+# the controller, they inherit it) and the processes tests start: a program that several
+# tests compile alike (a dense reference gradient of the same model and batch, say) compiles
+# once. Removed at the end by the process that made it.
+OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="sebp_jax_test_compiles_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_COMPILATION_CACHE
 
 import jax
 import pytest
+
+# jax reads its environment when first imported, which a plugin may have done before this file.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+def pytest_unconfigure(config):
+  if OWN_COMPILATION_CACHE is not None:
+    shutil.rmtree(OWN_COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

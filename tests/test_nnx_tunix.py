@@ -103,10 +103,12 @@ def test_a_dropped_row_changes_the_gradient():
   assert jnp.isfinite(kernel(fewer)).all()
 
 
-# Both attention methods on right padding; each other padding with one of them.
-@pytest.mark.parametrize("padding,attention", [("right", "mask"), ("right", "rows"),
-                                               ("left", "rows"), ("holes", "mask")])
-def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
+# Both attention methods on right padding; each other padding with one of them. The methods
+# of one padding share its padded logits and dense gradient, compiled once.
+@pytest.mark.parametrize("padding,attentions", [
+    ("right", ("mask", "rows")), ("left", ("rows",)), ("holes", ("mask",))],
+    ids=["right-mask-rows", "left-rows", "holes-mask"])
+def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attentions):
   """Tunix's Llama on the real tokens only (`pack_decoder_inputs`, through `tunix_logits`
   with a capacity), its attention per sequence by either method: the padded batch's logits
   at real tokens, zeros at padding, and the loss's gradient; with SEBP on the packed rows
@@ -121,27 +123,28 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attention):
   capacity = int(mask.sum()) + 5  # Filler slots too.
   logits = nnx.jit(tunix_logits, static_argnames=("capacity", "attention"))
   padded = logits(model, ids, mask)
-  packed = logits(model, ids, mask, capacity=capacity, attention=attention)
-  real = mask.astype(bool)
-  np.testing.assert_allclose(packed[real], padded[real], rtol=1e-5, atol=1e-5)
-  assert not np.any(packed[~real])
-
-  def packed_loss(model):
-    logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
-    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
-
   want = nnx.state(_loss_grad(model, ids, mask), nnx.Param)
-  assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_loss))(model), nnx.Param),
-                              want)
+  real = mask.astype(bool)
+  for attention in attentions:
+    packed = logits(model, ids, mask, capacity=capacity, attention=attention)
+    np.testing.assert_allclose(packed[real], padded[real], rtol=1e-5, atol=1e-5)
+    assert not np.any(packed[~real])
 
-  def packed_sebp_loss(model):
-    with sebp_nnx.use_sebp(model, top_n=capacity, lm_head=True, backend="xla") as report:
+    def packed_loss(model):
       logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
-    assert len(report.swapped) == 14  # Tied: the LM head is the embedding's decode.
-    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+      return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
 
-  assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_sebp_loss))(model), nnx.Param),
-                              want)
+    assert_every_gradient_close(nnx.state(nnx.jit(nnx.grad(packed_loss))(model), nnx.Param),
+                                want)
+
+    def packed_sebp_loss(model):
+      with sebp_nnx.use_sebp(model, top_n=capacity, lm_head=True, backend="xla") as report:
+        logits = tunix_logits(model, ids, mask, capacity=capacity, attention=attention)
+      assert len(report.swapped) == 14  # Tied: the LM head is the embedding's decode.
+      return masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+
+    assert_every_gradient_close(
+        nnx.state(nnx.jit(nnx.grad(packed_sebp_loss))(model), nnx.Param), want)
 
 
 def test_packed_inputs_overflowing_the_capacity_give_nan():

@@ -19,7 +19,12 @@ def _python_blocks(heading: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_quick_start_runs_and_is_exact():
+def test_quick_start_and_the_several_gpus_snippets_after_it_run_and_are_exact():
+  """The quick start's gradients are the dense ones. Then, on the test machine's 4 host
+  devices (tests/conftest.py), the several-GPUs snippets run on its batch (one run of the
+  quick start for both: its BERT's compiles are most of the cost): one device's gradients,
+  with each device selecting its rows, with each packing them, and with FSDP (`fsdp_loss`),
+  the gradients then split as their params."""
   blocks = _python_blocks("## Quick start")
   assert len(blocks) == 2
   scope = {}
@@ -40,6 +45,15 @@ def test_quick_start_runs_and_is_exact():
     return optax.softmax_cross_entropy_with_integer_labels(logits, sentiment).mean()
 
   assert_every_gradient_close(scope["bert_grads"], jax.grad(bert_dense_loss)(bert.params))
+
+  data_parallel, fsdp = _python_blocks("### Several GPUs: `batch_axes`")
+  exec(compile(data_parallel + fsdp, str(README), "exec"), scope)
+  assert scope["mesh"].size == jax.device_count() > 1
+  assert_every_gradient_close(scope["dp_grads"], scope["grads"])
+  assert_every_gradient_close(scope["packed_dp_grads"], scope["bert_grads"], rtol=2e-5)
+  assert_every_gradient_close(scope["fsdp_grads"], scope["bert_grads"], rtol=2e-5)
+  split = [g for g in jax.tree.leaves(scope["fsdp_grads"]) if not g.sharding.is_fully_replicated]
+  assert split and all(g.sharding.spec[0] == "data" for g in split)
 
 
 def test_the_ops_snippet_runs_after_the_quick_start():
@@ -68,19 +82,3 @@ def test_the_nnx_snippet_runs_after_the_quick_start_and_is_exact():
 
   want = nnx.state(nnx.grad(dense_loss)(tagger), nnx.Param)
   assert_every_gradient_close(nnx.state(scope["nnx_grads"], nnx.Param), want)
-
-
-def test_the_several_gpus_snippets_run_after_the_quick_start_and_are_exact():
-  """On the test machine's 4 host devices (tests/conftest.py): one device's gradients, with
-  each device selecting its rows, with each packing them, and with FSDP (`fsdp_loss`), the
-  gradients then split as their params."""
-  scope = {}
-  exec(compile("".join(_python_blocks("## Quick start")), str(README), "exec"), scope)
-  data_parallel, fsdp = _python_blocks("### Several GPUs: `batch_axes`")
-  exec(compile(data_parallel + fsdp, str(README), "exec"), scope)
-  assert scope["mesh"].size == jax.device_count() > 1
-  assert_every_gradient_close(scope["dp_grads"], scope["grads"])
-  assert_every_gradient_close(scope["packed_dp_grads"], scope["bert_grads"], rtol=2e-5)
-  assert_every_gradient_close(scope["fsdp_grads"], scope["bert_grads"], rtol=2e-5)
-  split = [g for g in jax.tree.leaves(scope["fsdp_grads"]) if not g.sharding.is_fully_replicated]
-  assert split and all(g.sharding.spec[0] == "data" for g in split)
