@@ -14,8 +14,9 @@ of ``Auto`` type; ``--fsdp`` splits the weight matrices too, and the step gather
 at its start, with ``--fsdp layer`` where XLA's partitioner places the gathers, by the
 layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.fsdp_loss`,
 each device running the one-device loss on its rows with every collective written out, its
-embedding tables looked up in place where that moves fewer rows, or with
-``shard_map_gathered_tables`` gathered as the rest):
+embedding tables looked up in place where that moves fewer rows and its LM head split by
+its vocabulary, with ``shard_map_gathered_head`` the head gathered as the rest, or with
+``shard_map_gathered_tables`` the tables too):
 every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
 at the fullest shard's real tokens, and each record carries the compiled step's collectives,
 its weak-scaling efficiency (one device's step time over this one's) and the share of one
@@ -111,8 +112,10 @@ LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
 LONGEST = "longest_"
 #: What a mode's record can time: the loss, its gradient, a whole AdamW step.
 STAGES = ("forward", "grad", "step")
-FSDP_KINDS = ("start", "layer", "shard_map", "shard_map_gathered_tables")
-PER_DEVICE_FSDP = ("shard_map", "shard_map_gathered_tables")  # sebp_jax.sharding.fsdp_loss
+FSDP_KINDS = ("start", "layer", "shard_map", "shard_map_gathered_head",
+              "shard_map_gathered_tables")
+#: sebp_jax.sharding.fsdp_loss; the tables looked up in place for the first two.
+PER_DEVICE_FSDP = ("shard_map", "shard_map_gathered_head", "shard_map_gathered_tables")
 MODES = ("dense", "dense_fast_attention", "sebp_layer", "sebp_layer_auto", "sebp_shared",
          "sebp_exact", "sebp_auto", "sebp_auto_host", "sebp_dense_only",
          "sebp_floor", "bound", "sebp_lm_head", "bound_lm_head", "sebp_packed",
@@ -514,10 +517,22 @@ def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
 
 def param_shardings(params, mesh, fsdp: str | None):
   """Replicated params (data parallel), or with ``fsdp`` each matrix split along its first
-  dimension over ``"data"`` where the devices divide it."""
-  def spec(param):
+  dimension over ``"data"`` where the devices divide it; with ``fsdp="shard_map"`` an LM
+  head's kernel split by its columns, the vocabulary (``fsdp_loss`` computes the head's
+  logits on each device's columns)."""
+  def spec(path, param):
+    if fsdp == "shard_map" and splits_by_vocabulary(path, param, mesh):
+      return NamedSharding(mesh, P(None, "data"))
     return NamedSharding(mesh, P("data") if fsdp and splits(param, mesh) else P())
-  return jax.tree.map(spec, params)
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def splits_by_vocabulary(path, param, mesh) -> bool:
+  """Whether ``param`` (at ``path``) is an LM head's kernel whose columns the devices
+  divide."""
+  keys = [getattr(key, "key", None) for key in path]
+  return ("lm_head" in keys and keys[-1] == "kernel" and param.ndim == 2
+          and param.shape[1] % mesh.shape["data"] == 0)
 
 
 def splits(param, mesh) -> bool:
@@ -591,7 +606,8 @@ class Placement:
                              param_shardings(self.params, self.mesh, self.fsdp))
         loss_fn = fsdp_loss(loss_fn, self.mesh, specs, weight_fn=weight_fn,
                             gather_dtype=jnp.bfloat16,
-                            lookups_in_place=("auto" if self.fsdp == "shard_map" else False))
+                            lookups_in_place=("auto" if self.fsdp in PER_DEVICE_FSDP[:2]
+                                              else False))
     optimizer = self.optimizer
 
     def step(params, opt_state, batch):
@@ -858,8 +874,10 @@ def main(argv=None) -> list[dict]:
                            "XLA places the gathers, layer by layer (layer), or by each device "
                            "in a shard_map running the one-device loss on its rows "
                            "(shard_map: sebp_jax.sharding.fsdp_loss, embedding tables looked "
-                           "up in place where that moves fewer rows; "
-                           "shard_map_gathered_tables: gathered as the rest)")
+                           "up in place where that moves fewer rows, the LM head's kernel "
+                           "split by its vocabulary, its logits computed on each device's "
+                           "columns; shard_map_gathered_head: the head gathered as the "
+                           "rest; shard_map_gathered_tables: the tables too)")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "

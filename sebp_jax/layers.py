@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_embed_lookup, sebp_linear
-from sebp_jax.packing import LinearHead
+from sebp_jax.outputs import LinearHead
 from sebp_jax.report import RowLog
 
 Array = jax.Array

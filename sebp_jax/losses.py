@@ -11,7 +11,8 @@ import numpy as np
 import optax
 
 from sebp_jax.ops import validate_top_n
-from sebp_jax.packing import LinearHead, gather_tokens, invalid_slots, packed_rows_of
+from sebp_jax.outputs import LinearHead, head_of, packed_rows_of
+from sebp_jax.packing import gather_tokens, invalid_slots
 from sebp_jax.sharding import vary_alike
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
@@ -49,7 +50,9 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       never held at once either: an int, ``"auto"`` (default: chunks of at most
       :data:`HEAD_CHUNK_BYTES` of float32 logits where all of them would pass
       :data:`HEAD_CHUNK_ABOVE_BYTES`), or None (the packed rows, whole). Other logits are
-      read whole.
+      read whole, but for those of a head whose vocabulary is split over devices
+      (:func:`sebp_jax.sharding.fsdp_loss`), packed or not: they are computed on each
+      device's columns (:func:`vocab_split_cross_entropy`), whole.
 
   Returns:
     Scalar: position t predicts token t + 1, counted where tokens t and t + 1 are real. Padding
@@ -78,12 +81,15 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   else:
     labels, weights = labels.reshape(-1), weights.reshape(-1)
     rows = logits.reshape(batch * length, vocab)
+    head = head_of(logits)
     if capacity is not None:
       # Unused slots read row R (out of range): zero logits, label 0, weight 0.
       (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
       take = lambda a: jnp.take(a, positions, axis=0, mode="fill", fill_value=0,
                                 indices_are_sorted=True)
       rows, labels, weights = take(rows), take(labels), take(weights)
+      if head is not None:
+        head = head.replace(inputs=take(head.inputs))
   weights = weights + poison  # NaN: the loss and every gradient behind it
   # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
   # class 0 with its zero weight; at a real target it weighs NaN.
@@ -91,7 +97,9 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   weights = jnp.where(in_vocab | (weights == 0), weights, jnp.nan)
   labels = jnp.where(in_vocab, labels, 0)
   chunk = _head_chunk(head_chunk, head, rows.shape[0], vocab)
-  if chunk is not None:
+  if head is not None and head.vocab_axis is not None:
+    total = vocab_split_cross_entropy(head, labels, weights)
+  elif chunk is not None:
     total = linear_cross_entropy(head.inputs, head.kernel, head.bias, labels, weights,
                                  chunk=chunk, precision=head.precision)
   else:
@@ -138,6 +146,46 @@ def head_chunk_rows(vocab: int) -> int:
 def _weighted_sum(token_loss: jax.Array, weights: jax.Array) -> jax.Array:
   """``sum(weights * token_loss)`` over the rows of non-zero weight (a NaN weight counts)."""
   return jnp.sum(jnp.where(weights == 0, 0.0, token_loss * weights))
+
+
+def vocab_split_cross_entropy(head: LinearHead, labels: jax.Array,
+                              weights: jax.Array) -> jax.Array:
+  """``sum_r weights[r] * cross_entropy(logits[r], labels[r])`` over this device's rows of
+  non-zero weight, for logits ``head.inputs @ kernel + bias`` of a head whose kernel's columns
+  (the vocabulary) are split over the devices of ``head.vocab_axis``, in a ``jax.shard_map``.
+
+  Each device computes its columns' logits for every device's rows: the rows' inputs and
+  labels are gathered (``[devices * N, D]``, where the kernel is ``[D, V]``), and what
+  crosses devices after is per row: the maximum, the sum of exponentials and the label's
+  logit. Under ``jax.grad`` the inputs' gradient is reduce-scattered back to the rows'
+  devices and the kernel's stays on its own.
+
+  Args:
+    head: ``inputs [N, D]`` (this device's rows), ``kernel [D, V / devices]`` and ``bias``
+      (this device's columns), ``vocab_axis``.
+    labels: ``int[N]`` in ``[0, V)``.
+    weights: ``float32[N]``; a NaN weight makes the sum and every gradient NaN.
+  """
+  axis = head.vocab_axis
+  gather = functools.partial(jax.lax.all_gather, axis_name=axis, tiled=True)
+  to_owners = functools.partial(jax.lax.psum_scatter, axis_name=axis, tiled=True)
+  logits = jnp.dot(gather(head.inputs), head.kernel, precision=head.precision)
+  if head.bias is not None:
+    logits = logits + head.bias
+  logits = logits.astype(jnp.float32)
+  columns = logits.shape[-1]
+  device = jax.lax.axis_index(axis)
+  local_labels = gather(labels) - device * columns
+  owned = (local_labels >= 0) & (local_labels < columns)
+  label_logits = jnp.take_along_axis(logits, jnp.where(owned, local_labels, 0)[:, None],
+                                     axis=-1)[:, 0]
+  # The rows' maxima over the whole vocabulary keep the exponentials finite; they cancel
+  # out of the value, so they carry no gradient.
+  top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), axis)
+  exp_sums = to_owners(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
+  label_logits = to_owners(jnp.where(owned, label_logits, 0.0))
+  own_top = top.reshape(-1, labels.shape[0])[device]
+  return _weighted_sum(own_top + jnp.log(exp_sums) - label_logits, weights)
 
 
 def _padded_chunks(array: jax.Array, chunk: int) -> jax.Array:

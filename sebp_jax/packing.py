@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
-import weakref
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -38,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sebp_jax.outputs import remember_packed
 from sebp_jax.selection import active_rows_from_mask
 from sebp_jax.sharding import (RowSharding, normalize_batch_axes, row_sharding,
                                shard_row_counts)
@@ -298,63 +297,6 @@ def map_shards(fn: Callable, layout: PackedLayout, arrays: tuple, splits: tuple[
                  for split, a in zip(splits, arrays))
   return jax.shard_map(body, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs,
                        axis_names=frozenset(axes), check_vma=False)(leaves, *arrays)
-
-
-@flax.struct.dataclass
-class LinearHead:
-  """The linear layer that made a packed output, ``rows = inputs @ kernel + bias`` in the
-  layer's dtype: a loss can compute the output's rows a few at a time from it
-  (:func:`sebp_jax.losses.masked_causal_lm_loss`'s ``head_chunk``).
-
-  Attributes:
-    inputs: ``[C, D]``, the packed inputs, in the layer's dtype.
-    kernel: ``[D, V]``, in the layer's dtype.
-    bias: ``[V]`` or None.
-    precision: the layer's matmul precision.
-  """
-  inputs: Array
-  kernel: Array
-  bias: Array | None
-  precision: Any = flax.struct.field(pytree_node=False, default=None)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedOutput:
-  """A packed module's output as :func:`remember_packed` keeps it: ``rows [1, C, ...]``, its
-  ``layout``, and the ``head`` that made it where it is a linear layer's (else None)."""
-  rows: Array
-  layout: PackedLayout
-  head: LinearHead | None = None
-
-
-# Per thread, outputs of packed modules scattered back to the batch's shape (weakly: an
-# entry lives as long as its output), each with its packed rows: a loss that finds its input
-# here reads the rows instead.
-_SCATTERED = threading.local()
-
-
-def remember_packed(scattered: Array, packed: Array, layout: PackedLayout,
-                    head: LinearHead | None = None) -> Array:
-  """``scattered`` (:func:`scatter_tokens` of ``packed``), remembered with its packed rows (and
-  the linear ``head`` that made them, if given) so that :func:`packed_rows_of` finds them: a
-  loss reading the rows leaves the scatter dead, and XLA drops the ``[B, L, ...]`` buffer (an
-  LM head's ``[B, L, vocabulary]`` logits)."""
-  if not hasattr(_SCATTERED, "entries"):
-    _SCATTERED.entries = {}
-  entries = _SCATTERED.entries
-  key = id(scattered)
-  entries[key] = (weakref.ref(scattered), PackedOutput(packed, layout, head))
-  weakref.finalize(scattered, entries.pop, key, None)
-  return scattered
-
-
-def packed_rows_of(scattered: Array) -> PackedOutput | None:
-  """The :class:`PackedOutput` of an output remembered by :func:`remember_packed` (the very
-  array, in the trace that made it), else None."""
-  entry = getattr(_SCATTERED, "entries", {}).get(id(scattered))
-  if entry is None or entry[0]() is not scattered:
-    return None
-  return entry[1]
 
 
 def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:

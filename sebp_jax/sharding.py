@@ -31,7 +31,6 @@ types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import re
@@ -43,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.dtypes import promote_dtype
 from jax.sharding import AxisType, PartitionSpec as P
+
+from sebp_jax.outputs import LinearHead, remember_head
 
 Array = jax.Array
 
@@ -250,26 +251,71 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   return jnp.where(valid[..., None], looked_up, jnp.array(jnp.nan, looked_up.dtype))
 
 
-def _looking_up_in_place(tables: dict[int, Array], axis: str, devices: int,
-                         always: bool) -> Callable:
-  """A Linen interceptor: an ``nn.Embed`` lookup whose table is one of ``tables`` (``{id of
-  the gathered table: this device's shard}``) runs :func:`split_table_lookup` on the shard,
-  ``always`` or where the rows it moves are fewer than the table's; any other call runs as it
-  is."""
+def _plain(module: nn.Module, kind: type) -> bool:
+  """``module`` is a ``kind`` whose forward is Linen's own: a subclass's ``__call__`` (or a
+  custom ``dot_general``) may read its parameters another way."""
+  return (isinstance(module, kind) and type(module).__call__ is kind.__call__
+          and getattr(module, "dot_general", None) is None
+          and getattr(module, "dot_general_cls", None) is None)
+
+
+def _split_dimension(spec: Any, axis: str) -> int | None:
+  """The dimension ``spec`` splits over ``axis`` for :func:`fsdp_loss`: 0, 1 (a matrix's
+  columns, say) or None (replicated)."""
+  entries = tuple(spec) if isinstance(spec, P) else None
+  while entries and entries[-1] is None:
+    entries = entries[:-1]
+  if entries in ((), (axis,), (None, axis)):
+    return len(entries) - 1 if entries else None
+  raise ValueError(f"param_specs: expected P({axis!r}) (split along the first dimension), "
+                   f"P(None, {axis!r}) (a matrix split along its second) or P() "
+                   f"(replicated) for every parameter, got {spec!r}")
+
+
+def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices: int,
+                        lookups: bool | str) -> Callable:
+  """A Linen interceptor for the modules whose parameters are split over ``axis`` (``shards``:
+  {id of the gathered parameter: (this device's shard, the dimension split)}):
+
+  * an ``nn.Embed`` lookup of a table split by rows runs :func:`split_table_lookup` on the
+    shard, ``lookups is True`` or (``"auto"``) where the rows it moves are fewer than the
+    table's;
+  * an ``nn.Dense`` whose kernel is split by columns runs as it is (on the gathered kernel),
+    its output remembered with the :class:`~sebp_jax.outputs.LinearHead` of this device's
+    columns: a loss that reads the head (``masked_causal_lm_loss``) computes the logits on
+    each device's columns, and the gathered kernel goes unused.
+
+  Any other call runs as it is."""
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
-    # Only nn.Embed's own lookup: a subclass's __call__, or attend, may read the table whole.
-    if (context.method_name != "__call__" or not isinstance(module, nn.Embed)
-        or type(module).__call__ is not nn.Embed.__call__):
+    if context.method_name != "__call__":
       return next_fun(*args, **kwargs)
-    shard = tables.get(id(module.embedding))
-    (ids,) = args or (kwargs["inputs"],)
-    if shard is None or not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
-      return next_fun(*args, **kwargs)
-    if not always and devices * jnp.size(ids) >= module.num_embeddings:
-      return next_fun(*args, **kwargs)
-    (shard,) = promote_dtype(shard, dtype=module.dtype, inexact=False)
-    return split_table_lookup(shard, ids, axis, module.num_embeddings)
+    if _plain(module, nn.Embed) and lookups is not False:
+      (inputs,) = args or (kwargs["inputs"],)
+      shard, dimension = shards.get(id(module.embedding), (None, None))
+      if (dimension != 0 or not jnp.issubdtype(jnp.asarray(inputs).dtype, jnp.integer)
+          or (lookups == "auto" and devices * jnp.size(inputs) >= module.num_embeddings)):
+        return next_fun(*args, **kwargs)
+      (shard,) = promote_dtype(shard, dtype=module.dtype, inexact=False)
+      return split_table_lookup(shard, inputs, axis, module.num_embeddings)
+    if _plain(module, nn.Dense) and module.has_variable("params", "kernel"):
+      kernel, dimension = shards.get(id(module.get_variable("params", "kernel")), (None, None))
+      if dimension != 1:
+        return next_fun(*args, **kwargs)
+      bias = None
+      if module.use_bias:
+        whole_bias = module.get_variable("params", "bias")
+        bias, bias_dimension = shards.get(id(whole_bias), (whole_bias, None))
+        if bias_dimension is None:  # Replicated: this device's columns of it.
+          bias = jax.lax.dynamic_slice_in_dim(
+              bias, jax.lax.axis_index(axis) * kernel.shape[1], kernel.shape[1])
+      outputs = next_fun(*args, **kwargs)
+      (inputs,) = args or (kwargs["inputs"],)
+      inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+      return remember_head(outputs, LinearHead(
+          jnp.reshape(inputs, (-1, inputs.shape[-1])), kernel, bias, module.precision,
+          vocab_axis=axis))
+    return next_fun(*args, **kwargs)
   return interceptor
 
 
@@ -290,22 +336,31 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   (all-reduces): this form has one all-gather and one reduce-scatter per split parameter, the
   dense step and an SEBP or packed one alike.
 
-  An embedding table may be the exception (``lookups_in_place``): a split table that a Linen
-  ``nn.Embed`` looks up (a Llama's 128k-row vocabulary) need not be gathered; each device
-  looks its rows up where they are (:func:`split_table_lookup`), so that the ids and the rows
-  cross devices in place of the table, in the forward and in the backward. The table's
-  all-gather at the step's start and its reduce-scatter at the end, which nothing can
-  overlap, become collectives of the looked-up rows' size. A table also read whole (a tied
-  head's ``attend``) is gathered for that use as before.
+  Two kinds of split parameter of a Linen model need not be gathered at all, and their
+  all-gather at the step's start and reduce-scatter at its end, which nothing can overlap,
+  become collectives of activations:
+
+  * an embedding table split by rows that an ``nn.Embed`` looks up (a Llama's 128k-row
+    vocabulary; ``lookups_in_place``): each device looks its rows up where they are
+    (:func:`split_table_lookup`), so that the ids and the rows cross devices in place of the
+    table, in the forward and in the backward;
+  * an LM head's kernel ``[D, V]`` split by columns, the vocabulary (spec ``P(None, axis)``),
+    where :func:`sebp_jax.losses.masked_causal_lm_loss` reads the head's logits: each device
+    computes its columns' logits for every device's rows, whose inputs are gathered (``[D]``
+    per row, where the kernel has ``V``), and only each row's sums over the columns cross
+    devices; the inputs' gradient is reduce-scattered back, the kernel's never leaves its
+    device. Whatever else reads the logits reads them as the gathered kernel makes them.
+
+  A table also read whole (a tied head's ``attend``) is gathered for that use as before.
 
   Args:
     loss_fn: the one-device loss, ``loss_fn(params, batch) -> scalar``, an average over its
       batch.
     mesh: the devices.
     param_specs: PartitionSpecs shaped like the params: ``P(axis)`` for a parameter split
-      along its first dimension, ``P()`` for a replicated one.
-    axis: the mesh axis that splits every array of ``batch`` and the split parameters along
-      their first dimension.
+      along its first dimension, ``P(None, axis)`` for one split along its second (an LM
+      head's kernel by its vocabulary), ``P()`` for a replicated one.
+    axis: the mesh axis that splits every array of ``batch`` and the split parameters.
     weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
       device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
       :func:`~sebp_jax.losses.masked_causal_lm_loss`). Each device's loss weighs by its share,
@@ -329,25 +384,29 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     raise ValueError(f"lookups_in_place must be 'auto', True or False, got {lookups_in_place!r}")
   split = P(axis)
   for spec in jax.tree.leaves(param_specs):
-    if not isinstance(spec, P) or (spec != P() and (spec[:1] != (axis,) or any(spec[1:]))):
-      raise ValueError(f"param_specs: expected P({axis!r}) (split along the first dimension) "
-                       f"or P() (replicated) for every parameter, got {spec!r}")
+    _split_dimension(spec, axis)
+
+  def gather(shard, spec):
+    dimension = _split_dimension(spec, axis)
+    if dimension is None:
+      return shard
+    return jax.lax.all_gather(shard, axis, axis=dimension, tiled=True)
 
   def per_device(params, batch):
-    shards = jax.tree.map(lambda p, spec: p if spec == P() else _floating_as(p, gather_dtype),
-                          params, param_specs)
-    whole = jax.tree.map(lambda shard, spec: shard if spec == P()
-                         else jax.lax.all_gather(shard, axis, tiled=True), shards, param_specs)
-    # A gathered table that only lookups read is left unused, and XLA drops its gather.
-    tables = {id(w): s for w, s, spec in zip(jax.tree.leaves(whole), jax.tree.leaves(shards),
-                                             jax.tree.leaves(param_specs)) if spec != P()}
+    shards = jax.tree.map(lambda p, spec: p if _split_dimension(spec, axis) is None
+                          else _floating_as(p, gather_dtype), params, param_specs)
+    whole = jax.tree.map(gather, shards, param_specs)
+    # A gathered parameter that only in-place computations read is left unused, and XLA
+    # drops its gather.
+    in_place = {id(w): (s, _split_dimension(spec, axis)) for w, s, spec in zip(
+        jax.tree.leaves(whole), jax.tree.leaves(shards), jax.tree.leaves(param_specs))
+        if _split_dimension(spec, axis) is not None}
     weight = (jnp.float32(jax.tree.leaves(batch)[0].shape[0]) if weight_fn is None
               else jnp.asarray(weight_fn(batch), jnp.float32))
     total = jax.lax.psum(weight, axis)
     share = weight / jnp.where(total == 0, 1.0, total)
-    in_place = (contextlib.nullcontext() if lookups_in_place is False else nn.intercept_methods(
-        _looking_up_in_place(tables, axis, mesh.shape[axis], always=lookups_in_place is True)))
-    with in_place:
+    with nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
+                                                  lookups_in_place)):
       loss = loss_fn(whole, batch)
     return jax.lax.psum(loss * share, axis)
 
@@ -382,8 +441,10 @@ def _result_type(type_text: str, started: bool) -> str:
   return type_text
 
 
-def _collectives(compiled: Any) -> list[tuple[str, int]]:
-  """``(kind, result bytes)`` of each collective of a compiled program, a combined one once."""
+def collective_sizes(compiled: Any) -> list[tuple[str, int]]:
+  """``(kind, bytes of its result)`` of each collective of a compiled program
+  (``jax.jit(f).lower(...).compile()``), a combined one once: what crosses devices, one by
+  one (an FSDP step's gathered weights, say)."""
   found = []
   for type_text, kind, started in _COLLECTIVE.findall(compiled.as_text()):
     size = 0
@@ -399,12 +460,12 @@ def collective_counts(compiled: Any) -> dict[str, int]:
   (``all-gather``, ``all-reduce``, ``reduce-scatter``, ``all-to-all``,
   ``collective-permute``), counting a combined one once: to check that an SEBP step
   communicates no more than the dense one."""
-  return dict(collections.Counter(kind for kind, _ in _collectives(compiled)))
+  return dict(collections.Counter(kind for kind, _ in collective_sizes(compiled)))
 
 
 def collective_bytes(compiled: Any) -> dict[str, int]:
   """The bytes the collectives of a compiled program produce, by kind."""
   totals = collections.Counter()
-  for kind, size in _collectives(compiled):
+  for kind, size in collective_sizes(compiled):
     totals[kind] += size
   return dict(totals)

@@ -18,9 +18,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
-from sebp_jax.losses import linear_cross_entropy
-from sebp_jax.sharding import (collective_counts, fsdp_loss, row_sharding, shard_row_counts,
-                               split_table_lookup)
+from sebp_jax.losses import causal_lm_target_count, linear_cross_entropy, masked_causal_lm_loss
+from sebp_jax.sharding import (collective_counts, collective_sizes, fsdp_loss, row_sharding,
+                               shard_row_counts, split_table_lookup)
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -501,12 +501,70 @@ def test_fsdp_loss_looks_a_table_up_in_place_where_that_moves_fewer_rows():
       "all-gather": 3, "reduce-scatter": 2, "all-reduce": 2}
 
 
+@pytest.mark.parametrize("bias_spec", [P(), P("data")], ids=str)
+def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_columns(bias_spec):
+  """An LM head's kernel split over 4 devices by its columns (the vocabulary, 64 columns),
+  its bias replicated or split: `masked_causal_lm_loss` computes each device's columns'
+  logits for every device's rows (`capacity=` picking the real targets first), and the
+  kernel is neither gathered nor reduce-scattered; loss and gradient are one device's. A
+  target out of the vocabulary (a row's last token: no prediction reads its embedding)
+  makes the loss and every gradient NaN."""
+  class TinyLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      hidden = jnp.tanh(nn.Dense(8)(nn.Embed(64, 8)(ids)))
+      return nn.Dense(64, name="lm_head")(hidden)
+
+  rng = np.random.default_rng(5)
+  mask = (np.arange(6)[None] < rng.integers(1, 7, size=(8, 1))).astype(np.int32)
+  ids = jnp.asarray(rng.integers(0, 64, size=(8, 6)) * mask, jnp.int32)
+  net = TinyLM()
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                        net.init(jax.random.key(0), ids)["params"])
+
+  def loss(params, batch, capacity=12):  # A device's 2 rows have at most 10 targets.
+    ids, mask = batch
+    return masked_causal_lm_loss(net.apply({"params": params}, ids), ids, mask,
+                                 capacity=capacity)
+
+  mesh = _mesh(AxisType.Auto)
+  specs = {"Embed_0": {"embedding": P()}, "Dense_0": {"kernel": P("data"), "bias": P()},
+           "lm_head": {"kernel": P(None, "data"), "bias": bias_spec}}
+  params_split = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
+                              params, specs)
+  step = jax.jit(jax.value_and_grad(fsdp_loss(
+      loss, mesh, specs, weight_fn=lambda batch: causal_lm_target_count(batch[1]))))
+  # The last real token of a row of two or more: a target, never a predicting position.
+  row = int(np.argmax(mask.sum(1) >= 2))
+  for poisoned in (False, True):
+    batch_ids = ids.at[row, mask[row].sum() - 1].set(64) if poisoned else ids
+    args = (params_split, jax.device_put((batch_ids, mask), NamedSharding(mesh, P("data"))))
+    got = step(*args)
+    want = jax.value_and_grad(loss)(params, (batch_ids, mask), None)
+    if poisoned:  # NaN where one device has it, and in every parameter's gradient.
+      assert np.isnan(got[0]) and np.isnan(want[0])
+      for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        assert np.isnan(g).any()
+      continue
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_every_gradient_close(got[1], want[1], rtol=1e-5)
+    assert got[1]["lm_head"]["kernel"].sharding.is_equivalent_to(
+        NamedSharding(mesh, P(None, "data")), 2)
+  moved = [size for kind, size in collective_sizes(step.lower(*args).compile())
+           if kind in ("all-gather", "reduce-scatter")]
+  assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
+
+
 def test_fsdp_loss_errors_name_the_argument():
   mesh = _mesh(AxisType.Auto)
   loss = lambda params, batch: jnp.sum(batch @ params)
   with pytest.raises(ValueError, match=r"param_specs: expected P\('data'\).*got "
-                                       r"(P|PartitionSpec)\(None, 'data'\)"):
-    fsdp_loss(loss, mesh, P(None, "data"))
+                                       r"(P|PartitionSpec)\(None, None, 'data'\)"):
+    fsdp_loss(loss, mesh, P(None, None, "data"))
+  with pytest.raises(ValueError, match=r"param_specs: expected P\('data'\).*got "
+                                       r"(P|PartitionSpec)\('data', 'data'\)"):
+    fsdp_loss(loss, mesh, {"kernel": P("data", "data")})
   with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
     fsdp_loss(loss, mesh, P("data"), axis="model")
   with pytest.raises(ValueError, match="lookups_in_place must be 'auto', True or False"):
