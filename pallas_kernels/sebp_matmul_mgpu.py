@@ -23,7 +23,7 @@ poison), so the matmuls read only finite rows and a NaN poison reaches dW and db
 
 jax's GPU interpreter (CPU) does not model a transposed ``wgmma`` operand, so interpreted runs
 feed ``kernel.T`` from memory where the compiled dX kernel reads ``kernel`` through
-``plgpu.transpose_ref``; everything else runs the same code both ways.
+``kernel_smem.T`` (a transposed view); everything else runs the same code both ways.
 
 Layout: block sizes, kernel bodies, calls, public function, reference.
 """
@@ -158,7 +158,7 @@ def _kept_dx_body(count_gmem, dy_gmem, kernel_gmem, dx_gmem, *, blocks: MatmulTi
 
     def accumulate(acc_ref):
       def step(_, dy_smem, kernel_smem):
-        rhs = kernel_smem if kernel_transposed else plmgpu.transpose_ref(kernel_smem, (1, 0))
+        rhs = kernel_smem if kernel_transposed else kernel_smem.T
         plmgpu.wgmma(acc_ref, dy_smem, rhs)
 
       kernel_spec = (
