@@ -89,12 +89,15 @@ class GpuCostModel:
   def branched_seconds(self, num_rows, in_features, out_features, capacity, itemsize) -> float:
     """The branch of ``capacity`` (dense or XLA's SEBP, as :func:`choose_implementation`
     picks) behind a run-time branch."""
-    if capacity < num_rows and self.sparse_wins(num_rows, in_features, out_features, capacity,
-                                                itemsize, index_given=False):
+    picked = choose_implementation("auto", num_rows=num_rows, in_features=in_features,
+                                   out_features=out_features, top_n=capacity,
+                                   itemsize=itemsize, index_given=False, platform="gpu",
+                                   cost_model=self)
+    if picked == "dense":
+      run = self.dense_seconds(num_rows, in_features, out_features, itemsize)
+    else:
       run = self.sparse_seconds(num_rows, in_features, out_features, capacity, itemsize,
                                 index_given=False)
-    else:
-      run = self.dense_seconds(num_rows, in_features, out_features, itemsize)
     return self.branch_fixed_s + run
 
   def counted_wins(self, num_rows, in_features, out_features, plan, itemsize) -> bool:
@@ -117,18 +120,19 @@ GPU_COST_MODEL = GpuCostModel()
 
 def choose_implementation(backend: str, *, num_rows: int, in_features: int,
                           out_features: int, top_n: int, itemsize: int, index_given: bool,
-                          platform: str | None = None) -> str:
+                          platform: str | None = None,
+                          cost_model: GpuCostModel = GPU_COST_MODEL) -> str:
   """The implementation that runs one layer's backward.
 
   ``"dense"`` whenever nothing can be skipped (``top_n >= num_rows`` with no index given, or
   no rows at all); otherwise an explicit ``backend`` as given, and ``"auto"`` as the module
-  docstring says.
+  docstring says (on a GPU, by ``cost_model``).
   """
   if num_rows == 0 or (top_n >= num_rows and not index_given):
     return "dense"
   if backend != "auto":
     return backend
-  if (platform or jax.default_backend()) == "gpu" and not GPU_COST_MODEL.sparse_wins(
+  if (platform or jax.default_backend()) == "gpu" and not cost_model.sparse_wins(
       num_rows, in_features, out_features, top_n, itemsize, index_given):
     return "dense"
   return "xla"
