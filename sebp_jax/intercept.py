@@ -32,7 +32,7 @@ from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEA
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
                              sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
-from sebp_jax.outputs import head_of, remember_packed
+from sebp_jax.outputs import remember_packed
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pack_layout,
                               packed_attention, scatter_tokens, token_capacity)
 from sebp_jax.report import RowLog
@@ -307,11 +307,9 @@ class use_sebp(SEBPContext):
         hidden = gather_tokens(inputs, self._layout)
         packed = next_fun(hidden)
         # A loss may read the packed rows, or compute them a few at a time from the head
-        # (masked_causal_lm_loss does): the [B, L, V] logits are then never made. A head
-        # whose kernel is split by columns (fsdp_loss) remembers itself. A batch split over
-        # devices reads the rows whole: chunks would cross the shards.
-        head = head_of(packed) or (linear_head(module, hidden[0])
-                                   if self._layout.shards is None else None)
+        # (masked_causal_lm_loss does): the [B, L, V] logits are then never made.
+        # A head split over devices is read whole: chunks would cross the shards.
+        head = linear_head(module, hidden[0]) if self._layout.shards is None else None
         return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
                                head)
     return _NOT_PACKED

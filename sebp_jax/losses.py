@@ -52,7 +52,8 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       :data:`HEAD_CHUNK_ABOVE_BYTES`), or None (the packed rows, whole). Other logits are
       read whole, but for those of a head whose vocabulary is split over devices
       (:func:`sebp_jax.sharding.fsdp_loss`), packed or not: they are computed on each
-      device's columns (:func:`vocab_split_cross_entropy`), whole.
+      device's columns (:func:`vocab_split_cross_entropy`), all rows at once, unless
+      ``head_chunk`` chunks them (then the kernel is gathered whole for the chunks).
 
   Returns:
     Scalar: position t predicts token t + 1, counted where tokens t and t + 1 are real. Padding
@@ -97,9 +98,14 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   weights = jnp.where(in_vocab | (weights == 0), weights, jnp.nan)
   labels = jnp.where(in_vocab, labels, 0)
   chunk = _head_chunk(head_chunk, head, rows.shape[0], vocab)
-  if head is not None and head.vocab_axis is not None:
+  if head is not None and head.vocab_axis is not None and chunk is None:
     total = vocab_split_cross_entropy(head, labels, weights)
   elif chunk is not None:
+    if head.vocab_axis is not None:  # Every chunk reads every column: the kernel, gathered.
+      gather = lambda a: jax.lax.all_gather(a, head.vocab_axis, axis=a.ndim - 1, tiled=True)
+      head = head.replace(kernel=gather(head.kernel),
+                          bias=None if head.bias is None else gather(head.bias),
+                          vocab_axis=None)
     total = linear_cross_entropy(head.inputs, head.kernel, head.bias, labels, weights,
                                  chunk=chunk, precision=head.precision)
   else:

@@ -43,7 +43,7 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 from jax.sharding import AxisType, PartitionSpec as P
 
-from sebp_jax.outputs import LinearHead, remember_head
+from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
 
 Array = jax.Array
 
@@ -282,8 +282,9 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
     table's;
   * an ``nn.Dense`` whose kernel is split by columns runs as it is (on the gathered kernel),
     its output remembered with the :class:`~sebp_jax.outputs.LinearHead` of this device's
-    columns: a loss that reads the head (``masked_causal_lm_loss``) computes the logits on
-    each device's columns, and the gathered kernel goes unused.
+    columns (the packed rows' head, where ``use_sebp(packed=True)``, an interceptor inside
+    this one, ran it on them): a loss that reads the head (``masked_causal_lm_loss``)
+    computes the logits on each device's columns, and the gathered kernel goes unused.
 
   Any other call runs as it is."""
   def interceptor(next_fun, args, kwargs, context):
@@ -310,6 +311,14 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
           bias = jax.lax.dynamic_slice_in_dim(
               bias, jax.lax.axis_index(axis) * kernel.shape[1], kernel.shape[1])
       outputs = next_fun(*args, **kwargs)
+      packed = packed_rows_of(outputs)
+      if packed is not None:  # use_sebp(packed=True) ran the head on the packed rows.
+        if packed.head is None:
+          return outputs
+        dtype = packed.head.kernel.dtype  # The forward's promotion, as the head has it.
+        return remember_packed(outputs, packed.rows, packed.layout, packed.head.replace(
+            kernel=kernel.astype(dtype), bias=None if bias is None else bias.astype(dtype),
+            vocab_axis=axis))
       (inputs,) = args or (kwargs["inputs"],)
       inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
       return remember_head(outputs, LinearHead(
@@ -380,7 +389,7 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   """
   if axis not in mesh.shape:
     raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
-  if lookups_in_place not in ("auto", True, False):
+  if not (isinstance(lookups_in_place, bool) or lookups_in_place == "auto"):
     raise ValueError(f"lookups_in_place must be 'auto', True or False, got {lookups_in_place!r}")
   split = P(axis)
   for spec in jax.tree.leaves(param_specs):

@@ -532,16 +532,18 @@ def test_fsdp_layer_by_layer_with_packing_has_the_dense_collectives():
 
 def test_fsdp_in_a_shard_map_packs_each_device_with_the_dense_collectives():
   """--fsdp shard_map: each device runs the one-device packed loss on its rows
-  (`fsdp_loss`), at the fullest device's capacity, with the dense step's collectives; the
-  embedding table is looked up in place and the LM head split by its vocabulary, so both
-  move fewer bytes than with the head gathered (`shard_map_gathered_head`)."""
+  (`fsdp_loss`), at the fullest device's capacity, with the dense step's collectives (their
+  bytes no more: the lookup and the head move the packed rows); the embedding table is
+  looked up in place and the LM head split by its vocabulary, so that both move fewer bytes
+  than with the head gathered (`shard_map_gathered_head`)."""
   run = lambda fsdp, modes: model.main([
       "--tiny", "--model", "llama", "--modes", modes, "--devices", "2", "--fsdp", fsdp,
       "--repeats", "1", "--rounds", "1", "--stages", "step"])
   dense, packed = run("shard_map", "dense,sebp_packed")
   assert dense["fsdp"] == packed["fsdp"] == "shard_map" and packed["step_ms"] > 0
   assert packed["collectives"] == dense["collectives"]
-  assert packed["collective_bytes"] == dense["collective_bytes"]
+  for kind, moved in dense["collective_bytes"].items():  # The packed rows: no more.
+    assert packed["collective_bytes"][kind] <= moved
   (gathered_head,) = run("shard_map_gathered_head", "dense")
   for kind in ("all-gather", "reduce-scatter"):
     assert 0 < dense["collective_bytes"][kind] < gathered_head["collective_bytes"][kind]

@@ -16,7 +16,7 @@ from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLla
                           LlamaConfig)
 
 from benchmarks.harness import free_port
-from sebp_jax import pack_decoder_inputs, token_capacity, use_sebp
+from sebp_jax import losses, pack_decoder_inputs, token_capacity, use_sebp
 from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
 from sebp_jax.packing import gather_tokens, pack_layout, packed_attention, scatter_tokens
 from sebp_jax.sharding import collective_counts, fsdp_loss, row_sharding
@@ -227,7 +227,8 @@ def tiny_nnx_llama():
     ("bert", AxisType.Auto), ("llama", AxisType.Auto), ("llama", AxisType.Explicit),
     ("llama_nnx", AxisType.Auto)], ids=str)
 def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(models, kind,
-                                                                              axis_type):
+                                                                              axis_type,
+                                                                              monkeypatch):
   """`fsdp_loss`: the matrices split over the devices, each device packing its own rows as one
   device does (`use_sebp(packed=True)` without `batch_axes`, in the `shard_map`; for the
   decoders the first device holds padding only): the whole batch's loss and one device's
@@ -245,8 +246,14 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
   ids, mask, labels = _batch(6)
   if kind != "bert":
     mask[:BATCH // SHARDS] = 0
+    mask[:, LENGTH - 4:] = 0  # Fewer real tokens than rows on every device.
     ids *= mask
   capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  heads = []  # The rows of each split head's logits, as the loss computes them.
+  split_cross_entropy = losses.vocab_split_cross_entropy
+  monkeypatch.setattr(losses, "vocab_split_cross_entropy",
+                      lambda head, *a: heads.append(head.inputs.shape) or split_cross_entropy(
+                          head, *a))
   if kind == "llama_nnx":
     graphdef, params = tiny_nnx_llama()
 
@@ -262,6 +269,7 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
   weight_fn = None if kind == "bert" else lambda batch: causal_lm_target_count(batch[1])
   want = jax.value_and_grad(loss)(params, (ids, mask, labels), False)
   mesh = _mesh(axis_type)
+
   def spec(path, param):
     if kind == "llama" and path[0].key == "lm_head":
       return P(None, "data")
@@ -289,6 +297,10 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
       for path, spec in jax.tree_util.tree_leaves_with_path(specs))
   assert tables == (2 if kind == "bert" else 1 if kind == "llama" else 0)
   head = kind == "llama"
+  # The packed step's head runs on the packed rows, the dense one's on every position.
+  hidden = model.config.hidden_size if head else None
+  assert heads == ([(capacity, hidden), (BATCH // SHARDS * LENGTH, hidden)] if head else [])
+  assert kind == "bert" or capacity < BATCH // SHARDS * LENGTH
   assert counts["reduce-scatter"] == split + 3 * head > 0
   assert counts["all-gather"] == split + tables + 4 * head
 

@@ -501,14 +501,17 @@ def test_fsdp_loss_looks_a_table_up_in_place_where_that_moves_fewer_rows():
       "all-gather": 3, "reduce-scatter": 2, "all-reduce": 2}
 
 
-@pytest.mark.parametrize("bias_spec", [P(), P("data")], ids=str)
-def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_columns(bias_spec):
+@pytest.mark.parametrize("bias_spec,head_chunk", [(P(), None), (P("data"), None), (P(), 4)],
+                         ids=str)
+def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_columns(
+    bias_spec, head_chunk):
   """An LM head's kernel split over 4 devices by its columns (the vocabulary, 64 columns),
   its bias replicated or split: `masked_causal_lm_loss` computes each device's columns'
-  logits for every device's rows (`capacity=` picking the real targets first), and the
-  kernel is neither gathered nor reduce-scattered; loss and gradient are one device's. A
-  target out of the vocabulary (a row's last token: no prediction reads its embedding)
-  makes the loss and every gradient NaN."""
+  logits for every device's rows (`capacity=` picking the real targets first, labels on
+  both sides of each device's block), and the kernel is neither gathered nor
+  reduce-scattered; with `head_chunk` the chunks read the kernel gathered. Loss and
+  gradient are one device's. A target out of the vocabulary (a row's last token: no
+  prediction reads its embedding) makes the loss and every gradient NaN."""
   class TinyLM(nn.Module):
     @nn.compact
     def __call__(self, ids):
@@ -517,7 +520,9 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
 
   rng = np.random.default_rng(5)
   mask = (np.arange(6)[None] < rng.integers(1, 7, size=(8, 1))).astype(np.int32)
-  ids = jnp.asarray(rng.integers(0, 64, size=(8, 6)) * mask, jnp.int32)
+  ids = rng.integers(0, 64, size=(8, 6))
+  ids[:, 1] = [15, 16, 31, 32, 47, 48, 63, 0]  # Targets where rows reach position 1.
+  ids = jnp.asarray(ids * mask, jnp.int32)
   net = TinyLM()
   params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
                         net.init(jax.random.key(0), ids)["params"])
@@ -525,7 +530,7 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   def loss(params, batch, capacity=12):  # A device's 2 rows have at most 10 targets.
     ids, mask = batch
     return masked_causal_lm_loss(net.apply({"params": params}, ids), ids, mask,
-                                 capacity=capacity)
+                                 capacity=capacity, head_chunk=head_chunk)
 
   mesh = _mesh(AxisType.Auto)
   specs = {"Embed_0": {"embedding": P()}, "Dense_0": {"kernel": P("data"), "bias": P()},
@@ -553,7 +558,7 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
         NamedSharding(mesh, P(None, "data")), 2)
   moved = [size for kind, size in collective_sizes(step.lower(*args).compile())
            if kind in ("all-gather", "reduce-scatter")]
-  assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
+  assert moved and (max(moved) < params["lm_head"]["kernel"].nbytes) == (head_chunk is None)
 
 
 def test_fsdp_loss_errors_name_the_argument():
