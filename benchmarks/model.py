@@ -16,7 +16,7 @@ layer that uses them, or with ``--fsdp shard_map`` in :func:`sebp_jax.sharding.f
 each device running the one-device loss on its rows with every collective written out, its
 embedding tables looked up in place where that moves fewer rows and its LM head split by
 its vocabulary, with ``shard_map_gathered_head`` the head gathered as the rest, or with
-``shard_map_gathered_tables`` the tables too):
+``shard_map_gathered_tables`` the tables too; a comma list of these runs side by side):
 every device gets the setup's batch, SEBP selects per shard (``use_sebp(batch_axes="data")``)
 at the fullest shard's real tokens, and each record carries the compiled step's collectives,
 its weak-scaling efficiency (one device's step time over this one's) and the share of one
@@ -86,7 +86,7 @@ import functools
 import json
 import pathlib
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -629,7 +629,8 @@ class Placement:
 
 
 def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out=None,
-        devices: int = 1, fsdp: str | None = None, baseline=(), rounds: int = 1,
+        devices: int = 1, fsdp: str | Sequence[str] | None = None, baseline=(),
+        rounds: int = 1,
         batch_size: int | None = None, balance: bool = False, shard_lengths: str = "same",
         stages=STAGES, compiler_options=None, calls_per_repeat: int = 1,
         packed_capacity: int | None = None):
@@ -642,7 +643,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
 
   With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
-  ``fsdp``); the last record of ``baseline`` (one device, same model, mode and batch size)
+  ``fsdp``; several kinds of FSDP run side by side, each mode under each, interleaved in the
+  rounds as the modes are, each compared with dense under the same kind); the last record of
+  ``baseline`` (one device, same model, mode and batch size)
   gives the weak-scaling efficiency, one device's step time over this one's, and the share
   of one device's speedup over dense that this run keeps. ``batch_size``: in place of the
   setup's (per device). ``shard_lengths``: every device's rows with the one-device batch's
@@ -669,7 +672,10 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     batch = balanced_batch(batch, devices)
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
   num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-  placement = Placement.make(params, devices, fsdp)
+  fsdp_kinds = tuple(dict.fromkeys([fsdp] if fsdp is None or isinstance(fsdp, str) else fsdp))
+  # One device splits nothing: every kind runs the same.
+  placements = {kind_: Placement.make(params, devices, kind_)
+                for kind_ in fsdp_kinds[:1 if devices == 1 else None]}
   if not setup.has_lm_head:
     modes = [m for m in modes if split_mode(m, backend)[0] not in LM_HEAD_MODES]
   if setup.nnx:
@@ -678,17 +684,19 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 top_n=top_n, compute_dtype="bfloat16",
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
                 calls_per_repeat=calls_per_repeat,
-                backend=backend, devices=devices, fsdp=fsdp, balanced=balance,
+                backend=backend, devices=devices, balanced=balance,
                 shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
                 processes=jax.process_count(), packed_capacity=packed_capacity)
 
-  def fields_of(mode: str) -> dict:
-    return {**fields, "backend": split_mode(mode, backend)[1]}
+  def fields_of(fsdp_kind: str | None, mode: str) -> dict:
+    return {**fields, "fsdp": fsdp_kind, "backend": split_mode(mode, backend)[1]}
 
   quiet = jax.process_index() != 0  # Several processes: the first one speaks for all.
   prepared, rows = [], []
-  for mode in tqdm(modes, desc=f"{kind} on {devices} device(s), compiling", file=sys.stdout,
-                   disable=quiet):
+  runs = [(fsdp_kind, mode) for fsdp_kind in placements for mode in modes]
+  for fsdp_kind, mode in tqdm(runs, desc=f"{kind} on {devices} device(s), compiling",
+                              file=sys.stdout, disable=quiet):
+    placement = placements[fsdp_kind]
     host_batch, loss_fn = mode_loss(kind, model, mode, batch, top_n, backend,
                                     placement.sebp_sharding, packed_capacity,
                                     num_shards=devices)
@@ -701,25 +709,29 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     except jax.errors.JaxRuntimeError as error:
       if "RESOURCE_EXHAUSTED" not in str(error):
         raise
-      row = record(**fields_of(mode), mode=mode,
+      row = record(**fields_of(fsdp_kind, mode), mode=mode,
                    error=f"out of memory: {str(error).splitlines()[0]}")
       rows.append(row)
       append_json_lines(None if quiet else out, [row])
       continue
-    prepared.append((mode, host_batch, compiled_step, calls))
-  samples = {mode: {stage: [] for stage in calls} for mode, _, _, calls in prepared}
+    prepared.append((fsdp_kind, mode, host_batch, compiled_step, calls))
+  samples = {(fsdp_kind, mode): {stage: [] for stage in calls}
+             for fsdp_kind, mode, _, _, calls in prepared}
   for _ in tqdm(range(rounds), desc=f"{kind} on {devices} device(s), timing", unit="round",
                 file=sys.stdout, disable=quiet):
-    for mode, _, _, calls in prepared:
+    for fsdp_kind, mode, _, _, calls in prepared:
       for stage, (fn, args) in calls.items():
-        samples[mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0,
-                                              calls_per_repeat=calls_per_repeat))
-  dense = samples.get("dense")
-  dense_peak = next((peak_bytes(step) for mode, _, step, _ in prepared if mode == "dense"), None)
-  for mode, host_batch, compiled_step, _ in prepared:
-    timed = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in samples[mode].items()})
+        samples[fsdp_kind, mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0,
+                                                         calls_per_repeat=calls_per_repeat))
+  dense_peaks = {fsdp_kind: peak_bytes(step)
+                 for fsdp_kind, mode, _, step, _ in prepared if mode == "dense"}
+  for fsdp_kind, mode, host_batch, compiled_step, _ in prepared:
+    timed = with_backward({f"{stage}_ms": np.asarray(ms)
+                           for stage, ms in samples[fsdp_kind, mode].items()})
+    dense = samples.get((fsdp_kind, "dense"))
+    dense_peak = dense_peaks.get(fsdp_kind)
     row = record(
-        **fields_of(mode), mode=mode, padded_length=host_batch["input_ids"].shape[1],
+        **fields_of(fsdp_kind, mode), mode=mode, padded_length=host_batch["input_ids"].shape[1],
         real_tokens=int(np.count_nonzero(host_batch["attention_mask"])),
         rows=int(host_batch["input_ids"].size),
         **{name: float(np.median(ms)) for name, ms in timed.items()},
@@ -773,7 +785,8 @@ def real_token_throughput(row: dict, num_params: int) -> dict:
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':14} {'mode':28} {'dev':>3} {'len':>5} {'fwd ms':>8} {'bwd ms':>8} "
+  header = (f"{'model':14} {'mode':28} {'dev':>3} {'fsdp':25} {'len':>5} {'fwd ms':>8} "
+            f"{'bwd ms':>8} "
             f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x (rounds)':>17} "
             f"{'mem/dense':>9} {'scaling':>7} {'x kept':>6}")
   print(header)
@@ -781,10 +794,12 @@ def print_table(rows) -> None:
   nan = float("nan")
   for r in rows:
     if "error" in r:
-      print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['error'][:60]}")
+      print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r.get('fsdp') or '-':25} "
+            f"{r['error'][:60]}")
       continue
     low, high = r.get("step_speedup_vs_dense_range", (nan, nan))
-    print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['padded_length']:5d} "
+    print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r.get('fsdp') or '-':25} "
+          f"{r['padded_length']:5d} "
           f"{r.get('forward_ms', nan):8.2f} "
           f"{r.get('backward_ms', nan):8.2f} {r.get('grad_ms', nan):8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', nan):6.2f} "
@@ -843,6 +858,16 @@ def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
     return name, value
 
 
+def parse_fsdp_kinds(text: str) -> list[str]:
+  """``--fsdp``: a comma list of :data:`FSDP_KINDS`."""
+  kinds = text.split(",")
+  unknown = [kind for kind in kinds if kind not in FSDP_KINDS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown FSDP kind(s) {', '.join(unknown)}: expected a "
+                                     f"comma list of {', '.join(FSDP_KINDS)}")
+  return kinds
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.model",
                                    description=__doc__.split("\n\n")[0],
@@ -868,7 +893,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--devices", type=parse_positive_ints, default=[1],
                       help="comma list of device counts, each a data-parallel run with the "
                            "setup's batch on every device (e.g. 1,2: weak-scaling efficiency)")
-  parser.add_argument("--fsdp", nargs="?", const="start", choices=FSDP_KINDS, default=None,
+  parser.add_argument("--fsdp", nargs="?", const=["start"], type=parse_fsdp_kinds,
+                      default=None,
                       help="on several devices, split the weight matrices over them too, "
                            "gathered whole at the step's start (start, the default), where "
                            "XLA places the gathers, layer by layer (layer), or by each device "
@@ -877,7 +903,8 @@ def main(argv=None) -> list[dict]:
                            "up in place where that moves fewer rows, the LM head's kernel "
                            "split by its vocabulary, its logits computed on each device's "
                            "columns; shard_map_gathered_head: the head gathered as the "
-                           "rest; shard_map_gathered_tables: the tables too)")
+                           "rest; shard_map_gathered_tables: the tables too); a comma list "
+                           "runs the kinds side by side, interleaved in the rounds")
   parser.add_argument("--batch-sizes", type=parse_positive_ints, default=None,
                       help="comma list of batch sizes (per device), each a run of its own in "
                            "place of the setup's; prints each mode's best batch, by real "

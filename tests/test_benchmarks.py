@@ -535,18 +535,23 @@ def test_fsdp_in_a_shard_map_packs_each_device_with_the_dense_collectives():
   (`fsdp_loss`), at the fullest device's capacity, with the dense step's collectives (their
   bytes no more: the lookup and the head move the packed rows); the embedding table is
   looked up in place and the LM head split by its vocabulary, so that both move fewer bytes
-  than with the head gathered (`shard_map_gathered_head`)."""
-  run = lambda fsdp, modes: model.main([
-      "--tiny", "--model", "llama", "--modes", modes, "--devices", "2", "--fsdp", fsdp,
-      "--repeats", "1", "--rounds", "1", "--stages", "step"])
-  dense, packed = run("shard_map", "dense,sebp_packed")
-  assert dense["fsdp"] == packed["fsdp"] == "shard_map" and packed["step_ms"] > 0
-  assert packed["collectives"] == dense["collectives"]
-  for kind, moved in dense["collective_bytes"].items():  # The packed rows: no more.
-    assert packed["collective_bytes"][kind] <= moved
-  (gathered_head,) = run("shard_map_gathered_head", "dense")
+  than with the head gathered (`shard_map_gathered_head`, run side by side: a comma list)."""
+  rows = model.main(["--tiny", "--model", "llama", "--modes", "dense,sebp_packed", "--devices",
+                     "2", "--fsdp", "shard_map,shard_map_gathered_head", "--repeats", "1",
+                     "--rounds", "2", "--stages", "step"])
+  assert [(r["fsdp"], r["mode"]) for r in rows] == [
+      (kind, mode) for kind in ("shard_map", "shard_map_gathered_head")
+      for mode in ("dense", "sebp_packed")]
+  for dense, packed in (rows[:2], rows[2:]):
+    assert packed["step_ms"] > 0 and len(packed["rounds_ms"]["step_ms"]) == 2
+    assert packed["step_speedup_vs_dense"] == pytest.approx(np.median(
+        np.asarray(dense["rounds_ms"]["step_ms"]) / packed["rounds_ms"]["step_ms"]))
+    assert packed["collectives"] == dense["collectives"]
+    for kind, moved in dense["collective_bytes"].items():  # The packed rows: no more.
+      assert packed["collective_bytes"][kind] <= moved
+  split_head, gathered_head = rows[0], rows[2]
   for kind in ("all-gather", "reduce-scatter"):
-    assert 0 < dense["collective_bytes"][kind] < gathered_head["collective_bytes"][kind]
+    assert 0 < split_head["collective_bytes"][kind] < gathered_head["collective_bytes"][kind]
 
 
 def test_packed_capacity_replaces_the_batch_own_where_it_holds_it(monkeypatch):
