@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from sebp_jax.losses import masked_causal_lm_loss
 from tests.model_testing import assert_every_gradient_close
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -46,14 +48,23 @@ def test_quick_start_and_the_several_gpus_snippets_after_it_run_and_are_exact():
 
   assert_every_gradient_close(scope["bert_grads"], jax.grad(bert_dense_loss)(bert.params))
 
-  data_parallel, fsdp = _python_blocks("### Several GPUs: `batch_axes`")
-  exec(compile(data_parallel + fsdp, str(README), "exec"), scope)
+  data_parallel, fsdp, decoder_fsdp = _python_blocks("### Several GPUs: `batch_axes`")
+  exec(compile(data_parallel + fsdp + decoder_fsdp, str(README), "exec"), scope)
   assert scope["mesh"].size == jax.device_count() > 1
   assert_every_gradient_close(scope["dp_grads"], scope["grads"])
   assert_every_gradient_close(scope["packed_dp_grads"], scope["bert_grads"], rtol=2e-5)
   assert_every_gradient_close(scope["fsdp_grads"], scope["bert_grads"], rtol=2e-5)
   split = [g for g in jax.tree.leaves(scope["fsdp_grads"]) if not g.sharding.is_fully_replicated]
   assert split and all(g.sharding.spec[0] == "data" for g in split)
+  llama = scope["llama"]
+
+  def llama_dense_loss(params):
+    logits = llama(input_ids, attention_mask=mask, params=params).logits
+    return masked_causal_lm_loss(logits, input_ids, mask)
+
+  assert_every_gradient_close(scope["lm_grads"], jax.jit(jax.grad(llama_dense_loss))(
+      llama.params), rtol=2e-5)
+  assert scope["lm_grads"]["lm_head"]["kernel"].sharding.spec == P(None, "data")
 
 
 def test_the_ops_snippet_runs_after_the_quick_start():
