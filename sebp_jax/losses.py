@@ -53,7 +53,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       read whole, but for those of a head whose vocabulary is split over devices
       (:func:`sebp_jax.sharding.fsdp_loss`), packed or not: they are computed on each
       device's columns (:func:`vocab_split_cross_entropy`), all rows at once, unless
-      ``head_chunk`` chunks them (then the kernel is gathered whole for the chunks).
+      ``head_chunk`` chunks packed ones (then the kernel is gathered whole for the chunks).
 
   Returns:
     Scalar: position t predicts token t + 1, counted where tokens t and t + 1 are real. Padding
@@ -97,7 +97,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   in_vocab = (labels >= 0) & (labels < vocab)
   weights = jnp.where(in_vocab | (weights == 0), weights, jnp.nan)
   labels = jnp.where(in_vocab, labels, 0)
-  chunk = _head_chunk(head_chunk, head, rows.shape[0], vocab)
+  chunk = _head_chunk(head_chunk, head if packed is not None else None, rows.shape[0], vocab)
   if head is not None and head.vocab_axis is not None and chunk is None:
     total = vocab_split_cross_entropy(head, labels, weights)
   elif chunk is not None:

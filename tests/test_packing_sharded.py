@@ -2,6 +2,7 @@
 packs its own rows, the gradient is one device's dense gradient, and the step has the dense
 step's collectives. 4 forced host devices (tests/conftest.py)."""
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -143,6 +144,44 @@ def test_fsdp_with_packing_communicates_as_the_dense_fsdp_step(models):
   dense_counts = collective_counts(step(_loss(model, "llama")).lower(*args).compile())
   assert dense_counts.get("all-gather", 0) > 0
   assert collective_counts(packed.lower(*args).compile()) == dense_counts
+
+
+def test_fsdp_loss_chunks_a_packed_head_split_by_its_vocabulary_on_its_gathered_kernel(
+    models, monkeypatch):
+  """`head_chunk` on a packed LM head that `fsdp_loss` splits by its vocabulary: every chunk
+  reads every column, so the chunks run on the kernel gathered whole; loss and gradient are
+  one device's."""
+  model = models["llama"]
+  ids, mask, _ = _batch(7)
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  kernels = []  # The kernels the chunked loss reads.
+  chunked_cross_entropy = losses.linear_cross_entropy
+  monkeypatch.setattr(losses, "linear_cross_entropy",
+                      lambda inputs, kernel, *a, **k: kernels.append(kernel.shape)
+                      or chunked_cross_entropy(inputs, kernel, *a, **k))
+
+  def loss(params, batch, packed=True):
+    ids, mask = batch
+    with (use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla") if packed
+          else contextlib.nullcontext()):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    return masked_causal_lm_loss(logits, ids, mask, head_chunk=8)
+
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, packed=False)))(model.params,
+                                                                          (ids, mask))
+  assert kernels == []  # Unpacked logits are read whole.
+  mesh = _mesh()
+  specs = jax.tree_util.tree_map_with_path(
+      lambda path, p: P(None, "data") if path[0].key == "lm_head"
+      else P("data") if p.ndim == 2 and p.shape[0] % SHARDS == 0 else P(), model.params)
+  args = (jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
+                       model.params, specs),
+          jax.device_put((ids, mask), NamedSharding(mesh, P("data"))))
+  got = jax.jit(jax.value_and_grad(fsdp_loss(
+      loss, mesh, specs, weight_fn=lambda batch: causal_lm_target_count(batch[1]))))(*args)
+  assert kernels == [model.params["lm_head"]["kernel"].shape]
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
 
 
 def test_capacity_counts_per_shard(models):
