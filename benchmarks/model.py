@@ -644,7 +644,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   With ``devices > 1``, data parallel: each device gets the setup's batch (``devices`` times
   the batch in all), SEBP selects per shard, params are replicated (split FSDP-style with
   ``fsdp``; several kinds of FSDP run side by side, each mode under each, interleaved in the
-  rounds as the modes are, each compared with dense under the same kind); the last record of
+  rounds as the modes are, each compared with dense under the same kind, every kind's params
+  and optimizer state on the devices at once); the last record of
   ``baseline`` (one device, same model, mode and batch size)
   gives the weak-scaling efficiency, one device's step time over this one's, and the share
   of one device's speedup over dense that this run keeps. ``batch_size``: in place of the
@@ -672,7 +673,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     batch = balanced_batch(batch, devices)
   top_n = int(shard_row_counts(batch["attention_mask"], devices).max())
   num_params = sum(leaf.size for leaf in jax.tree.leaves(params))
-  fsdp_kinds = tuple(dict.fromkeys([fsdp] if fsdp is None or isinstance(fsdp, str) else fsdp))
+  fsdp_kinds = tuple(dict.fromkeys([fsdp] if fsdp is None or isinstance(fsdp, str)
+                                    else fsdp)) or (None,)
   # One device splits nothing: every kind runs the same.
   placements = {kind_: Placement.make(params, devices, kind_)
                 for kind_ in fsdp_kinds[:1 if devices == 1 else None]}
@@ -689,7 +691,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 processes=jax.process_count(), packed_capacity=packed_capacity)
 
   def fields_of(fsdp_kind: str | None, mode: str) -> dict:
-    return {**fields, "fsdp": fsdp_kind, "backend": split_mode(mode, backend)[1]}
+    return {**fields, "fsdp": fsdp_kind if devices > 1 else None,
+            "backend": split_mode(mode, backend)[1]}
 
   quiet = jax.process_index() != 0  # Several processes: the first one speaks for all.
   prepared, rows = [], []

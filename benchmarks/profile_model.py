@@ -14,7 +14,7 @@ instruction. Prints, per model, a table of the largest rows with one column per 
 writes every row with ``--out``.
 
 ``--devices N`` traces the data-parallel call of ``benchmarks.model --devices N`` (every
-device the one-device batch's lengths; ``--fsdp`` as there), ``--call step`` the whole AdamW
+device the one-device batch's lengths; ``--fsdp`` as there, one kind), ``--call step`` the whole AdamW
 step in place of the gradient. Each mode then also gets a timeline per device, ms per call:
 the wall time of the call, the time any kernel runs (busy), the time a computation runs, the
 collectives' time, and the part of it no computation overlaps (exposed): what the devices
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
                       help="trace the gradient or the whole AdamW step")
   parser.add_argument("--fsdp", choices=FSDP_KINDS, default=None,
                       help="on several devices, the weight matrices split over them too, as "
-                           "benchmarks.model --fsdp")
+                           "benchmarks.model --fsdp (one kind)")
   parser.add_argument("--processes", type=int, default=1,
                       help="trace as this many processes of one GPU each (jax.distributed); "
                            "--devices must then be the processes' devices together")

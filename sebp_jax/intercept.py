@@ -307,8 +307,10 @@ class use_sebp(SEBPContext):
         hidden = gather_tokens(inputs, self._layout)
         packed = next_fun(hidden)
         # A loss may read the packed rows, or compute them a few at a time from the head
-        # (masked_causal_lm_loss does): the [B, L, V] logits are then never made.
-        # A head split over devices is read whole: chunks would cross the shards.
+        # (masked_causal_lm_loss does): the [B, L, V] logits are then never made. A batch
+        # split over devices (batch_axes) reads the packed rows whole: chunks would cross
+        # the shards. A head split by its vocabulary (fsdp_loss's interceptor, outside this
+        # one) gets its split kernel there.
         head = linear_head(module, hidden[0]) if self._layout.shards is None else None
         return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
                                head)

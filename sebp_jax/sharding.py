@@ -21,7 +21,9 @@ A step may instead be written per device, its loss in a ``jax.shard_map`` whose 
 runs the one-device loss on its own rows (:func:`fsdp_loss`, FSDP with the gathers and
 reduce-scatters placed there); the ops then see one device's rows, and :func:`vary_alike`
 sums a replicated weight's gradient over the devices. A split embedding table need not be
-gathered there: :func:`split_table_lookup` looks each device's ids up where the rows are.
+gathered there: :func:`split_table_lookup` looks each device's ids up where the rows are;
+nor an LM head split by its vocabulary, whose logits each device computes on its own columns
+(:func:`sebp_jax.losses.vocab_split_cross_entropy`).
 
 A :class:`RowSharding` says how a layer's rows are split: over the mesh axes of its first
 (batch) dimension. Under an ``Explicit`` mesh the array's type tells; under an ``Auto`` mesh the

@@ -26,7 +26,8 @@ def test_quick_start_and_the_several_gpus_snippets_after_it_run_and_are_exact():
   devices (tests/conftest.py), the several-GPUs snippets run on its batch (one run of the
   quick start for both: its BERT's compiles are most of the cost): one device's gradients,
   with each device selecting its rows, with each packing them, and with FSDP (`fsdp_loss`),
-  the gradients then split as their params."""
+  the gradients then split as their params, and a Llama's FSDP with packing and its head
+  split by its vocabulary."""
   blocks = _python_blocks("## Quick start")
   assert len(blocks) == 2
   scope = {}
