@@ -394,31 +394,26 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   if not (isinstance(lookups_in_place, bool) or lookups_in_place == "auto"):
     raise ValueError(f"lookups_in_place must be 'auto', True or False, got {lookups_in_place!r}")
   split = P(axis)
-  for spec in jax.tree.leaves(param_specs):
-    _split_dimension(spec, axis)
-
-  def gather(shard, spec):
-    dimension = _split_dimension(spec, axis)
-    if dimension is None:
-      return shard
-    return jax.lax.all_gather(shard, axis, axis=dimension, tiled=True)
+  specs, params_tree = jax.tree.flatten(param_specs)
+  dimensions = [_split_dimension(spec, axis) for spec in specs]  # Each parameter's split.
 
   def per_device(params, batch):
-    shards = jax.tree.map(lambda p, spec: p if _split_dimension(spec, axis) is None
-                          else _floating_as(p, gather_dtype), params, param_specs)
-    whole = jax.tree.map(gather, shards, param_specs)
+    shards = [p if dimension is None else _floating_as(p, gather_dtype)
+              for p, dimension in zip(params_tree.flatten_up_to(params), dimensions)]
+    whole = [shard if dimension is None
+             else jax.lax.all_gather(shard, axis, axis=dimension, tiled=True)
+             for shard, dimension in zip(shards, dimensions)]
     # A gathered parameter that only in-place computations read is left unused, and XLA
     # drops its gather.
-    in_place = {id(w): (s, _split_dimension(spec, axis)) for w, s, spec in zip(
-        jax.tree.leaves(whole), jax.tree.leaves(shards), jax.tree.leaves(param_specs))
-        if _split_dimension(spec, axis) is not None}
+    in_place = {id(w): (shard, dimension) for w, shard, dimension in zip(whole, shards, dimensions)
+                if dimension is not None}
     weight = (jnp.float32(jax.tree.leaves(batch)[0].shape[0]) if weight_fn is None
               else jnp.asarray(weight_fn(batch), jnp.float32))
     total = jax.lax.psum(weight, axis)
     share = weight / jnp.where(total == 0, 1.0, total)
     with nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
                                                   lookups_in_place)):
-      loss = loss_fn(whole, batch)
+      loss = loss_fn(params_tree.unflatten(whole), batch)
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
