@@ -14,7 +14,8 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import attention, harness, layer, model, profile_model, selection, tune_blocks
+from benchmarks import (attention, collectives, harness, layer, model, profile_model, selection,
+                        tune_blocks)
 from sebp_jax.packing import token_capacity
 from sebp_jax.sharding import shard_row_counts
 
@@ -236,6 +237,30 @@ def test_attention_benchmark_records_the_three_ways(tmp_path, capsys):
   assert low <= row["rows_vs_padded"] <= high
   assert row["real_tokens"] <= row["capacity"] and row["longest"] % 64 == 0
   assert "rows/padded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", collectives.KINDS)
+def test_collectives_compute_what_they_are_named(kind):
+  """Each timed collective over the 4 host devices, on fresh random values: the gathered
+  array, each device's rows of the devices' sum, the sum (a whole array's copy sits on every
+  device for the last two, so the sum is 4 times it)."""
+  mesh = jax.make_mesh((4,), ("devices",))
+  fn, in_spec = collectives.collective(kind, mesh)
+  whole = np.random.default_rng(7).normal(size=(8, 16)).astype(np.float32)
+  got = np.asarray(fn(jax.device_put(whole, NamedSharding(mesh, in_spec))))
+  np.testing.assert_allclose(got, whole if kind == "all-gather" else 4 * whole, rtol=1e-6)
+  assert collectives.bus_bytes(kind, 1000, 4) == (1500 if kind == "all-reduce" else 750)
+
+
+def test_collectives_benchmark_records_each_kind_and_size(tmp_path, capsys):
+  out = tmp_path / "collectives.jsonl"
+  records = collectives.main(["--sizes-mb", "1,2", "--repeats", "2", "--calls-per-repeat", "2",
+                              "--out", str(out)])
+  assert harness.read_json_lines(out) == records
+  assert [(r["kind"], r["whole_bytes"]) for r in records] == [
+      (kind, mb * 2**20) for mb in (1, 2) for kind in collectives.KINDS]
+  assert all(r["devices"] == 4 and r["ms"] > 0 and r["bus_gb_per_s"] > 0 for r in records)
+  assert capsys.readouterr().out.count("all-gather") == 2
 
 
 def test_layer_benchmark_records(tmp_path, capsys):
