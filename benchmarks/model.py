@@ -105,7 +105,7 @@ from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import causal_lm_target_count, head_chunk_rows, masked_causal_lm_loss
 from sebp_jax.packing import fused_attention_implementation, token_capacity
-from sebp_jax.sharding import (collective_bytes, collective_counts, fsdp_loss,
+from sebp_jax.sharding import (collective_bytes, collective_counts, fsdp_loss, fsdp_specs,
                                shard_row_counts)
 
 LENGTHS_DIR = pathlib.Path(__file__).parent / "lengths"
@@ -516,31 +516,17 @@ def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
 
 
 def param_shardings(params, mesh, fsdp: str | None):
-  """Replicated params (data parallel), or with ``fsdp`` each matrix split along its first
-  dimension over ``"data"`` where the devices divide it; with ``fsdp="shard_map"`` an LM
-  head's kernel split by its columns, the vocabulary (``fsdp_loss`` computes the head's
-  logits on each device's columns)."""
-  def spec(path, param):
-    if fsdp == "shard_map" and splits_by_vocabulary(path, param, mesh):
-      return NamedSharding(mesh, P(None, "data"))
-    return NamedSharding(mesh, P("data") if fsdp and splits(param, mesh) else P())
-  return jax.tree_util.tree_map_with_path(spec, params)
+  """Replicated params (data parallel), or with ``fsdp`` as :func:`sebp_jax.sharding.fsdp_specs`
+  splits them: each matrix along its first dimension over ``"data"`` where the devices divide
+  it, and with ``fsdp="shard_map"`` an LM head's kernel by its columns, the vocabulary
+  (``fsdp_loss`` computes the head's logits on each device's columns)."""
+  if not fsdp:
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+  specs = fsdp_specs(params, mesh, heads=("lm_head",) if fsdp == "shard_map" else ())
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
-def splits_by_vocabulary(path, param, mesh) -> bool:
-  """Whether ``param`` (at ``path``) is an LM head's kernel whose columns the devices
-  divide."""
-  keys = [getattr(key, "key", None) for key in path]
-  return ("lm_head" in keys and keys[-1] == "kernel" and param.ndim == 2
-          and param.shape[1] % mesh.shape["data"] == 0)
-
-
-def splits(param, mesh) -> bool:
-  """Whether FSDP splits ``param``: a matrix whose first dimension the devices divide."""
-  return param.ndim >= 2 and param.shape[0] % mesh.shape["data"] == 0
-
-
-def gathering_params(loss_fn, mesh, dtype=jnp.bfloat16):
+def gathering_params(loss_fn, mesh, specs, dtype=jnp.bfloat16):
   """``loss_fn`` of params split FSDP-style, gathering them whole as its first step: the
   weights, not the activations, move between devices, and the activations stay on the
   batch's split (left to itself, XLA may split them along the weights' features instead).
@@ -549,15 +535,15 @@ def gathering_params(loss_fn, mesh, dtype=jnp.bfloat16):
   gather; its gradient comes back the same way, a sum over the devices split again (a
   reduce-scatter in ``dtype``). Every weight stays whole through the step (unlike ZeRO-3,
   which gathers layer by layer)."""
-  def gather(param):
-    if not splits(param, mesh):
+  def gather(param, spec):
+    if spec != P("data"):
       return param
     return jax.shard_map(lambda shard: lax.all_gather(shard.astype(dtype), "data", tiled=True,
                                                        to="invarying"),
                          mesh=mesh, in_specs=P("data"), out_specs=P())(param)
 
   def loss(params, batch):
-    return loss_fn(jax.tree.map(gather, params), batch)
+    return loss_fn(jax.tree.map(gather, params, specs), batch)
   return loss
 
 
@@ -599,11 +585,11 @@ class Placement:
     batch = host_batch
     if self.mesh is not None:
       batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
+      specs = jax.tree.map(lambda sharding: sharding.spec,
+                           param_shardings(self.params, self.mesh, self.fsdp))
       if self.fsdp == "start":
-        loss_fn = gathering_params(loss_fn, self.mesh)
+        loss_fn = gathering_params(loss_fn, self.mesh, specs)
       elif self.fsdp in PER_DEVICE_FSDP:
-        specs = jax.tree.map(lambda sharding: sharding.spec,
-                             param_shardings(self.params, self.mesh, self.fsdp))
         loss_fn = fsdp_loss(loss_fn, self.mesh, specs, weight_fn=weight_fn,
                             gather_dtype=jnp.bfloat16,
                             lookups_in_place=("auto" if self.fsdp in PER_DEVICE_FSDP[:2]

@@ -370,7 +370,8 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     mesh: the devices.
     param_specs: PartitionSpecs shaped like the params: ``P(axis)`` for a parameter split
       along its first dimension, ``P(None, axis)`` for one split along its second (an LM
-      head's kernel by its vocabulary), ``P()`` for a replicated one.
+      head's kernel by its vocabulary), ``P()`` for a replicated one; :func:`fsdp_specs`
+      writes them.
     axis: the mesh axis that splits every array of ``batch`` and the split parameters.
     weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
       device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
@@ -417,6 +418,38 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
+
+
+def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
+               heads: tuple[str, ...] = ("lm_head",), head_rows: int | None = None) -> Any:
+  """PartitionSpecs for :func:`fsdp_loss`, shaped like ``params`` or anything that holds them
+  (an optimizer's state, whose moments then split as their params do): an array of two or
+  more dimensions split over ``axis`` along its first where the axis' devices divide it
+  (``P(axis)``), any other replicated (``P()``: biases, norms' scales, a step count).
+
+  An LM head's ``kernel`` ``[D, V]``, that of a module named in ``heads``, is split by its
+  columns instead, the vocabulary (``P(None, axis)``), where the devices divide ``V`` and it
+  moves fewer bytes: :func:`fsdp_loss` then moves the rows the head reads, ``D`` numbers
+  each, in place of the kernel's ``V`` per feature, fewer where the devices' rows are fewer
+  than ``V``. ``head_rows``: the rows a device's head reads (a packed step's capacity, a
+  padded step's batch × length), the head split only where the devices times those are
+  fewer than ``V``; None splits it wherever the devices divide ``V``. ``heads=()`` splits
+  every matrix by its rows.
+  """
+  if axis not in mesh.shape:
+    raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if head_rows is not None and head_rows <= 0:
+    raise ValueError(f"head_rows must be a positive int or None, got {head_rows!r}")
+  devices = mesh.shape[axis]
+
+  def spec(path, param):
+    names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
+    shape = np.shape(param)
+    if (set(names) & set(heads) and names[-1] == "kernel" and len(shape) == 2
+        and shape[1] % devices == 0 and (head_rows is None or devices * head_rows < shape[1])):
+      return P(None, axis)
+    return P(axis) if len(shape) >= 2 and shape[0] % devices == 0 else P()
+  return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def shard_row_counts(mask: Any, num_shards: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from benchmarks.harness import free_port
 from sebp_jax import losses, pack_decoder_inputs, token_capacity, use_sebp
 from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
 from sebp_jax.packing import gather_tokens, pack_layout, packed_attention, scatter_tokens
-from sebp_jax.sharding import collective_counts, fsdp_loss, row_sharding
+from sebp_jax.sharding import collective_counts, fsdp_loss, fsdp_specs, row_sharding
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -171,9 +171,7 @@ def test_fsdp_loss_chunks_a_packed_head_split_by_its_vocabulary_on_its_gathered_
                                                                           (ids, mask))
   assert kernels == []  # Unpacked logits are read whole.
   mesh = _mesh()
-  specs = jax.tree_util.tree_map_with_path(
-      lambda path, p: P(None, "data") if path[0].key == "lm_head"
-      else P("data") if p.ndim == 2 and p.shape[0] % SHARDS == 0 else P(), model.params)
+  specs = fsdp_specs(model.params, mesh)  # lm_head's kernel split by its vocabulary
   args = (jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
                        model.params, specs),
           jax.device_put((ids, mask), NamedSharding(mesh, P("data"))))
@@ -309,12 +307,8 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
   want = jax.value_and_grad(loss)(params, (ids, mask, labels), False)
   mesh = _mesh(axis_type)
 
-  def spec(path, param):
-    if kind == "llama" and path[0].key == "lm_head":
-      return P(None, "data")
-    return P("data") if param.ndim == 2 and param.shape[0] % SHARDS == 0 else P()
-
-  specs = jax.tree_util.tree_map_with_path(spec, params)
+  specs = fsdp_specs(params, mesh)
+  assert kind != "llama" or specs["lm_head"]["kernel"] == P(None, "data")
   args = (jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params,
                        specs),
           jax.device_put((ids, mask, labels), NamedSharding(mesh, P("data"))))

@@ -19,8 +19,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.losses import causal_lm_target_count, linear_cross_entropy, masked_causal_lm_loss
-from sebp_jax.sharding import (collective_counts, collective_sizes, fsdp_loss, row_sharding,
-                               shard_row_counts, split_table_lookup)
+from sebp_jax.sharding import (collective_counts, collective_sizes, fsdp_loss, fsdp_specs,
+                               row_sharding, shard_row_counts, split_table_lookup)
 from tests.model_testing import assert_every_gradient_close
 
 CPUS = jax.devices("cpu")
@@ -559,6 +559,38 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   moved = [size for kind, size in collective_sizes(step.lower(*args).compile())
            if kind in ("all-gather", "reduce-scatter")]
   assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
+
+
+def test_fsdp_specs_split_matrices_by_rows_and_a_head_by_its_vocabulary_where_that_moves_less():
+  """`fsdp_specs` on 4 devices: a matrix (or a 3-D kernel) the devices divide split by rows,
+  vectors and a matrix they do not divide replicated; `lm_head`'s kernel [D, V] split by its
+  columns where 4 × `head_rows` < V (or always, `head_rows=None`), by rows otherwise and with
+  `heads=()`; an AdamW state's moments split as their params, its count replicated."""
+  import optax
+  mesh = _mesh(AxisType.Auto)
+  shapes = {"embed": {"embedding": (64, 8)}, "layer": {"kernel": (8, 12), "bias": (12,),
+                                                       "qkv": (8, 3, 4)},
+            "odd": {"kernel": (6, 8)}, "norm": {"scale": (8,)},
+            "lm_head": {"kernel": (8, 64), "bias": (64,)}}
+  params = jax.tree.map(lambda shape: np.zeros(shape, np.float32), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+  by_rows = {"embed": {"embedding": P("data")}, "layer": {"kernel": P("data"), "bias": P(),
+                                                          "qkv": P("data")},
+             "odd": {"kernel": P()}, "norm": {"scale": P()},
+             "lm_head": {"kernel": P("data"), "bias": P()}}
+  by_vocabulary = {**by_rows, "lm_head": {"kernel": P(None, "data"), "bias": P()}}
+  assert fsdp_specs(params, mesh) == by_vocabulary
+  assert fsdp_specs(params, mesh, head_rows=15) == by_vocabulary  # 60 rows < 64
+  assert fsdp_specs(params, mesh, head_rows=16) == by_rows  # 64 rows: the kernel is no larger
+  assert fsdp_specs(params, mesh, heads=()) == by_rows
+  assert fsdp_specs(params, _mesh(AxisType.Auto, (2, 2), ("data", "model")),
+                    axis="model")["lm_head"]["kernel"] == P(None, "model")
+  adam = fsdp_specs(optax.adamw(1e-3).init(params), mesh)[0]
+  assert adam.count == P() and adam.mu == adam.nu == by_vocabulary
+  with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
+    fsdp_specs(params, mesh, axis="model")
+  with pytest.raises(ValueError, match="head_rows must be a positive int or None, got 0"):
+    fsdp_specs(params, mesh, head_rows=0)
 
 
 def test_fsdp_loss_errors_name_the_argument():
