@@ -14,11 +14,13 @@ from typing import Callable
 import jax
 import numpy as np
 import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from benchmarks.harness import median_ms
 from examples.datasets import DATA_DIR
 from sebp_jax import RowLog, capacity_buckets, token_capacity, use_sebp
+from sebp_jax.sharding import fsdp_loss, fsdp_specs, shard_row_counts
 
 LossFn = Callable[[dict, dict], jax.Array]  # (params, batch) -> scalar loss
 #: (params, batch, capacity) -> scalar loss: SEBP at that static capacity, dense for None.
@@ -28,10 +30,11 @@ CapacityLossFn = Callable[[dict, dict, "int | None"], jax.Array]
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
                         max_length: int, learning_rate: float, weight_decay: float,
                         timing_repeats: int, out: str, extra=None,
-                        packed: bool = True) -> argparse.Namespace:
+                        packed: bool = True, devices: bool = False) -> argparse.Namespace:
   """The command line the examples share (defaults per example, ``packed`` that of
-  ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more.
-  Every count must be positive."""
+  ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
+  ``devices``: ``--devices``, training on several (:func:`fit`). Every count must be
+  positive."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -59,6 +62,11 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                       help="log, per step and layer, what the SEBP backward did (active and "
                            "kept rows, capacity, share of dY's norm dropped) and print it"
                            "; packed, only the layers outside the packed stack run SEBP")
+  if devices:
+    parser.add_argument("--devices", type=int, default=1,
+                        help="train on this many devices, FSDP: each device runs the loss "
+                             "(packed, at its own capacity) on its own rows of every batch, "
+                             "the weights split over the devices (sebp_jax.sharding.fsdp_loss)")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
@@ -66,6 +74,15 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
     if (isinstance(value, int) and not isinstance(value, bool) and name != "seed"
         and value <= 0):
       parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+  if getattr(args, "devices", 1) > 1:
+    if args.devices > jax.device_count():
+      parser.error(f"--devices {args.devices}: this machine has {jax.device_count()} (on a "
+                   "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
+    if args.batch_size % args.devices:
+      parser.error(f"--batch-size {args.batch_size} does not split over --devices "
+                   f"{args.devices}")
+    if args.row_log:
+      parser.error("--row-log runs on one device: leave out --devices")
   return args
 
 
@@ -90,21 +107,48 @@ def print_row_log(log: RowLog | None) -> str | None:
   return table
 
 
-def run_capacities(train_batches: list[dict], count: int = 4) -> list[int]:
+def run_capacities(train_batches: list[dict], count: int = 4, num_shards: int = 1) -> list[int]:
   """Each batch's packing capacity (and SEBP ``top_n``), picked on the host from a short
   geometric ladder over the run (:func:`sebp_jax.capacity_buckets`): at most ``count``
-  compiles of the step, each batch in the smallest bucket that holds its real tokens."""
+  compiles of the step, each batch in the smallest bucket that holds its real tokens (its
+  fullest shard's, each batch split into ``num_shards`` along its rows: a device's)."""
   masks = [batch["attention_mask"] for batch in train_batches]
-  buckets = capacity_buckets(max(int(np.count_nonzero(m)) for m in masks), count)
-  return [token_capacity(mask, buckets=buckets) for mask in masks]
+  buckets = capacity_buckets(max(int(shard_row_counts(m, num_shards).max()) for m in masks),
+                             count)
+  return [token_capacity(mask, buckets=buckets, num_shards=num_shards) for mask in masks]
+
+
+def data_mesh(devices: int) -> jax.sharding.Mesh | None:
+  """The first ``devices`` devices on one axis, ``"data"``, for :func:`fit`; None for one."""
+  if devices == 1:
+    return None
+  return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:devices])
 
 
 def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
         optimizer: optax.GradientTransformation, desc: str,
-        capacities: list[int | None]) -> tuple[dict, list[float], int]:
+        capacities: list[int | None], mesh: jax.sharding.Mesh | None = None,
+        weight_fn: Callable | None = None) -> tuple[dict, list[float], int]:
   """Runs one jitted optimizer step per batch with a progress bar, each batch at its static
-  capacity (None: dense); returns params, losses and how many times the step compiled."""
+  capacity (None: dense); returns params, losses and how many times the step compiled.
+
+  With a ``mesh`` (:func:`data_mesh`), FSDP: the params and the optimizer's moments are split
+  over its devices (:func:`sebp_jax.sharding.fsdp_specs`), each batch's rows too, and each
+  device runs ``loss_fn`` on its own rows at ``capacity``, a device's
+  (:func:`sebp_jax.sharding.fsdp_loss`; ``weight_fn`` as there): the losses and gradients
+  are one device's."""
   compiles = []
+  place = lambda batch: batch
+  if mesh is not None:
+    specs = fsdp_specs(params, mesh)
+    params = jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    place = lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
+    one_device_loss = loss_fn
+
+    def loss_fn(params, batch, capacity):
+      return fsdp_loss(functools.partial(one_device_loss, capacity=capacity), mesh, specs,
+                       weight_fn=weight_fn)(params, batch)
 
   @functools.partial(jax.jit, static_argnames="capacity")
   def train_step(params, opt_state, batch, capacity):
@@ -118,7 +162,7 @@ def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
   progress = tqdm(zip(train_batches, capacities), total=len(train_batches),
                   desc=f"{desc:>5}", unit="step", file=sys.stdout)
   for batch, capacity in progress:
-    params, opt_state, loss = train_step(params, opt_state, batch, capacity=capacity)
+    params, opt_state, loss = train_step(params, opt_state, place(batch), capacity=capacity)
     losses.append(float(loss))
     progress.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
   return params, losses, len(compiles)

@@ -8,11 +8,17 @@ three embedding lookups take the SEBP backward on the index of the real tokens. 
 ``--no-packed`` the encoder runs on every row and its 36 Dense layers take the SEBP backward
 on that index instead.
 
+With ``--devices N`` both runs train on N devices, FSDP (``sebp_jax.sharding.fsdp_loss``): the
+weights and AdamW's moments split over the devices, each device running the loss on its own
+sentences of every batch, packed at its own capacity; the losses are one device's. The timing
+stays on one device.
+
 Prints the loss and the dev accuracy of both runs, their largest per-step loss difference and
 the backward- and gradient-time ratios, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
 From the repository root:
 
     python -m examples.finetune_bert_sst2            # the default run (the README's demo)
+    python -m examples.finetune_bert_sst2 --devices 2
     python -m examples.finetune_bert_sst2 --help
 """
 
@@ -27,8 +33,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context)
+from examples.common import (data_mesh, finish_run, fit, loss_trend, parse_training_args,
+                             run_capacities, sebp_context)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -42,7 +48,8 @@ def parse_args(argv=None):
                         help="sentences of sst2/dev.tsv to score, from its first")
   return parse_training_args(__spec__.name, __doc__, argv, steps=70, batch_size=32,
                              max_length=128, learning_rate=1e-4, weight_decay=0.01,
-                             timing_repeats=5, out="runs/sst2", extra=dev_examples)
+                             timing_repeats=5, out="runs/sst2", extra=dev_examples,
+                             devices=True)
 
 
 def make_loss(model, packed: bool, row_log: RowLog | None = None):
@@ -99,12 +106,13 @@ def main(argv=None) -> dict:
 
   # Each batch packs into the smallest of four capacities that holds it, picked on the host:
   # static, so exact, and at most four compiles of the step.
-  capacities = run_capacities(train_batches)
+  capacities = run_capacities(train_batches, num_shards=args.devices)
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
         f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
-        f"capacities {sorted(set(capacities))} (SEBP keeps {np.mean(capacities) / rows:.0%} "
+        f"capacities{' per device' * (args.devices > 1)} {sorted(set(capacities))} (SEBP keeps "
+        f"{np.mean(capacities) * args.devices / rows:.0%} "
         "of the rows on average)")
 
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
@@ -117,7 +125,8 @@ def main(argv=None) -> dict:
   results = {}
   for mode in MODES:
     params, losses, compiles = fit(loss_fns[mode], initial_params, train_batches, optimizer,
-                                   mode, capacities if mode == "sebp" else dense_capacities)
+                                   mode, capacities if mode == "sebp" else dense_capacities,
+                                   mesh=data_mesh(args.devices))
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
     results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy, "compiles": compiles}
     print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "
@@ -125,7 +134,8 @@ def main(argv=None) -> dict:
 
   fields = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "capacities": sorted(set(capacities)),
-      "kept_fraction": capacities[0] / rows, "packed": args.packed,
+      "kept_fraction": capacities[0] * args.devices / rows, "packed": args.packed,
+      "devices": args.devices,
       **{f"{mode}_compiles": results[mode]["compiles"] for mode in MODES},
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},

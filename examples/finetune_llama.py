@@ -11,10 +11,16 @@ all 210 attention and MLP projections, the token embedding and (unless ``--no-lm
 head take the SEBP backward on one index of the real tokens. The SEBP paper leaves the LM head
 dense; it is a large layer (vocabulary x hidden size), and swapping it is just as exact.
 
+With ``--devices N`` both runs train on N devices, FSDP (``sebp_jax.sharding.fsdp_loss``): the
+weights and AdamW's moments split over the devices (``sebp_jax.sharding.fsdp_specs``), and each
+device running the loss on its own rows of every batch, packed at its own capacity; the
+losses are one device's. The timing stays on one device.
+
 Prints the loss of both runs, their largest per-step difference and the backward-time ratio;
 writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the repository root:
 
     python -m examples.finetune_llama
+    python -m examples.finetune_llama --devices 2
     python -m examples.finetune_llama --help
 """
 
@@ -26,12 +32,12 @@ import functools
 import numpy as np
 import optax
 
-from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context)
+from examples.common import (data_mesh, finish_run, fit, loss_trend, parse_training_args,
+                             run_capacities, sebp_context)
 from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog, token_budget_batches
-from sebp_jax.losses import masked_causal_lm_loss
+from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
 
 MODES = ("dense", "sebp")
 
@@ -39,7 +45,8 @@ MODES = ("dense", "sebp")
 def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
                              max_length=256, learning_rate=3e-5, weight_decay=0.0,
-                             timing_repeats=3, out="runs/llama", extra=_add_lm_head_flag)
+                             timing_repeats=3, out="runs/llama", extra=_add_lm_head_flag,
+                             devices=True)
 
 
 def _add_lm_head_flag(parser):
@@ -98,29 +105,33 @@ def main(argv=None) -> dict:
   # filled it, picked on the host: static, so exact, and at most four compiles of the step
   # (one with a budget).
   capacities = ([args.token_budget] * len(train_batches) if args.token_budget
-                else run_capacities(train_batches))
+                else run_capacities(train_batches, num_shards=args.devices))
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   rows = args.batch_size * args.max_length
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
         f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
-        f"capacities {sorted(set(capacities))}")
+        f"capacities{' per device' * (args.devices > 1)} {sorted(set(capacities))}")
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
   loss_fns = {"dense": make_loss(model, args.lm_head, args.packed),
               "sebp": make_loss(model, args.lm_head, args.packed, row_log)}
   losses, compiles = {}, {}
+  # With --devices, a device's loss averages over its own predicted tokens.
+  weight_fn = lambda batch: causal_lm_target_count(batch["attention_mask"])
   for mode in MODES:
     _, losses[mode], compiles[mode] = fit(
         loss_fns[mode], initial_params, train_batches, optimizer, mode,
-        capacities if mode == "sebp" else [None] * len(capacities))
+        capacities if mode == "sebp" else [None] * len(capacities),
+        mesh=data_mesh(args.devices), weight_fn=weight_fn)
     print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
           f"time{'s' * (compiles[mode] != 1)}")
 
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
             "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
-            "kept_fraction": capacities[0] / rows, "sebp_lm_head": args.lm_head,
-            "packed": args.packed, **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
+            "kept_fraction": capacities[0] * args.devices / rows, "sebp_lm_head": args.lm_head,
+            "packed": args.packed, "devices": args.devices,
+            **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
   timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
            "sebp": functools.partial(make_loss(model, args.lm_head, args.packed),
                                      capacity=capacities[0])}

@@ -193,3 +193,38 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
   assert len(train_batches) == 20
   for batch in train_batches:
     assert batch["input_ids"].shape == (4, 64) and 0 < batch["attention_mask"].sum() <= 120
+
+
+def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeypatch):
+  """--devices 4 (the test machine's host devices): FSDP, each device packing its own rows at
+  its own capacity; the losses are one device's, dense and packed alike. A tiny FlaxLlama of
+  SmolLM2's vocabulary stands in for the real model."""
+  from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+  from examples.pretrained import load_smollm2_tokenizer
+  tokenizer = load_smollm2_tokenizer()
+  model = FlaxLlamaForCausalLM(LlamaConfig(
+      vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64), seed=3)
+  monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
+  run = lambda devices: finetune_llama.main([
+      "--steps", "3", "--batch-size", "4", "--max-length", "64", "--devices", str(devices),
+      "--timing-repeats", "1", "--out", str(tmp_path / str(devices))])
+  one, four = run(1), run(4)
+  assert (one["devices"], four["devices"]) == (1, 4)
+  for mode in ("dense", "sebp"):
+    np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
+  assert four["max_loss_difference"] < 1e-5
+  # A device's capacity holds its fullest shard of 1 row, not the batch's 4.
+  assert max(four["capacities"]) < max(one["capacities"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--devices", "8"], "--devices 8: this machine has 4"),
+    (["--devices", "3"], "--batch-size 4 does not split over --devices 3"),
+    (["--devices", "2", "--row-log"], "--row-log runs on one device"),
+], ids=["too_many", "uneven", "row_log"])
+def test_devices_errors_name_the_flags(argv, message, capsys):
+  with pytest.raises(SystemExit):
+    finetune_llama.parse_args(["--batch-size", "4", *argv])
+  assert message in capsys.readouterr().err
