@@ -3,13 +3,14 @@ all-gather, a reduce-scatter and an all-reduce of bf16 arrays over every device,
 
     python -m benchmarks.collectives --sizes-mb 8,32,64,128,256 --out collectives.jsonl
 
-``size`` is the whole array's: what an all-gather returns, what a reduce-scatter sums. The
-bus bandwidth is NCCL's ``busbw``, the bytes each device sends over the time: ``size·(n-1)/n``
-for an all-gather or a reduce-scatter over ``n`` devices, twice that for an all-reduce. It
-says what a step that gathers its weights and scatters their gradients pays at the least:
-``benchmarks.model`` records those bytes per step (``collective_bytes``). Each time is the
-median of ``--repeats`` repeats of ``--calls-per-repeat`` calls synced once; each collective
-runs alone, with nothing beside it on the devices.
+A record's ``whole_bytes`` is the whole array's size: what an all-gather returns, what a
+reduce-scatter sums. The bus bandwidth is NCCL's ``busbw``, the bytes each device sends over
+the time: ``whole_bytes·(n-1)/n`` for an all-gather or a reduce-scatter over ``n`` devices,
+twice that for an all-reduce. It says what a step that gathers its weights and scatters
+their gradients pays at the least: ``benchmarks.model`` records those bytes per step
+(``collective_bytes``). Each time is the median of ``--repeats`` repeats of
+``--calls-per-repeat`` calls synced once, so a small array's includes the host's dispatch of
+a call; each collective runs alone, with nothing beside it on the devices.
 """
 
 from __future__ import annotations

@@ -527,7 +527,8 @@ def param_shardings(params, mesh, fsdp: str | None):
 
 
 def gathering_params(loss_fn, mesh, specs, dtype=jnp.bfloat16):
-  """``loss_fn`` of params split FSDP-style, gathering them whole as its first step: the
+  """``loss_fn`` of params split FSDP-style (those whose ``specs`` leaf is ``P("data")``),
+  gathering them whole as its first step: the
   weights, not the activations, move between devices, and the activations stay on the
   batch's split (left to itself, XLA may split them along the weights' features instead).
   Each split matrix is cast to ``dtype`` (the compute dtype it is cast to anyway) on its own
@@ -585,12 +586,12 @@ class Placement:
     batch = host_batch
     if self.mesh is not None:
       batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
-      specs = jax.tree.map(lambda sharding: sharding.spec,
-                           param_shardings(self.params, self.mesh, self.fsdp))
+      specs = lambda: jax.tree.map(lambda sharding: sharding.spec,
+                                   param_shardings(self.params, self.mesh, self.fsdp))
       if self.fsdp == "start":
-        loss_fn = gathering_params(loss_fn, self.mesh, specs)
+        loss_fn = gathering_params(loss_fn, self.mesh, specs())
       elif self.fsdp in PER_DEVICE_FSDP:
-        loss_fn = fsdp_loss(loss_fn, self.mesh, specs, weight_fn=weight_fn,
+        loss_fn = fsdp_loss(loss_fn, self.mesh, specs(), weight_fn=weight_fn,
                             gather_dtype=jnp.bfloat16,
                             lookups_in_place=("auto" if self.fsdp in PER_DEVICE_FSDP[:2]
                                               else False))

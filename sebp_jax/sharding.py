@@ -427,17 +427,20 @@ def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
   more dimensions split over ``axis`` along its first where the axis' devices divide it
   (``P(axis)``), any other replicated (``P()``: biases, norms' scales, a step count).
 
-  An LM head's ``kernel`` ``[D, V]``, that of a module named in ``heads``, is split by its
-  columns instead, the vocabulary (``P(None, axis)``), where the devices divide ``V`` and it
-  moves fewer bytes: :func:`fsdp_loss` then moves the rows the head reads, ``D`` numbers
-  each, in place of the kernel's ``V`` per feature, fewer where the devices' rows are fewer
-  than ``V``. ``head_rows``: the rows a device's head reads (a packed step's capacity, a
-  padded step's batch × length), the head split only where the devices times those are
-  fewer than ``V``; None splits it wherever the devices divide ``V``. ``heads=()`` splits
-  every matrix by its rows.
+  An LM head's ``kernel`` ``[D, V]``, that of a Linen module named in ``heads`` (a path
+  ending ``<head>/.../kernel``), is split by its columns instead, the vocabulary
+  (``P(None, axis)``), where the devices divide ``V``: :func:`fsdp_loss` then moves the rows
+  the head reads, ``D`` numbers each, in place of the kernel's ``V`` per feature.
+  ``head_rows``: the rows a device's head reads (a packed step's capacity, a padded step's
+  batch × length), the head split only where that moves fewer bytes, the devices times those
+  rows fewer than ``V``; None splits it wherever the devices divide ``V``. ``heads=()`` splits
+  every matrix by its rows, as it does an NNX model's (``fsdp_loss`` computes a split head in
+  place for Linen models only).
   """
   if axis not in mesh.shape:
     raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if isinstance(heads, str):
+    raise ValueError(f"heads must be a tuple of module names, got the string {heads!r}")
   if head_rows is not None and head_rows <= 0:
     raise ValueError(f"head_rows must be a positive int or None, got {head_rows!r}")
   devices = mesh.shape[axis]

@@ -171,7 +171,8 @@ def test_fsdp_loss_chunks_a_packed_head_split_by_its_vocabulary_on_its_gathered_
                                                                           (ids, mask))
   assert kernels == []  # Unpacked logits are read whole.
   mesh = _mesh()
-  specs = fsdp_specs(model.params, mesh)  # lm_head's kernel split by its vocabulary
+  specs = fsdp_specs(model.params, mesh)
+  assert specs["lm_head"]["kernel"] == P(None, "data")  # Split by its vocabulary.
   args = (jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
                        model.params, specs),
           jax.device_put((ids, mask), NamedSharding(mesh, P("data"))))

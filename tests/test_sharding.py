@@ -591,6 +591,8 @@ def test_fsdp_specs_split_matrices_by_rows_and_a_head_by_its_vocabulary_where_th
     fsdp_specs(params, mesh, axis="model")
   with pytest.raises(ValueError, match="head_rows must be a positive int or None, got 0"):
     fsdp_specs(params, mesh, head_rows=0)
+  with pytest.raises(ValueError, match="heads must be a tuple of module names, got the string"):
+    fsdp_specs(params, mesh, heads="lm_head")
 
 
 def test_fsdp_loss_errors_name_the_argument():
