@@ -195,10 +195,12 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
     assert batch["input_ids"].shape == (4, 64) and 0 < batch["attention_mask"].sum() <= 120
 
 
-def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeypatch):
-  """--devices 4 (the test machine's host devices): FSDP, each device packing its own rows at
-  its own capacity; the losses are one device's, dense and packed alike. A tiny FlaxLlama of
-  SmolLM2's vocabulary stands in for the real model."""
+@pytest.mark.parametrize("packing", ["--packed", "--no-packed"])
+def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path, monkeypatch):
+  """--devices 4 (the test machine's host devices): FSDP, each device packing its own rows
+  (or, --no-packed, selecting them for SEBP) at its own capacity; the losses are one
+  device's, dense and SEBP alike. A tiny FlaxLlama of SmolLM2's vocabulary stands in for the
+  real model."""
   from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
   from examples.pretrained import load_smollm2_tokenizer
@@ -208,7 +210,7 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeyp
       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64), seed=3)
   monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
   run = lambda devices: finetune_llama.main([
-      "--steps", "3", "--batch-size", "4", "--max-length", "64", "--devices", str(devices),
+      "--steps", "3", "--batch-size", "4", "--max-length", "64", "--devices", str(devices), packing,
       "--timing-repeats", "1", "--out", str(tmp_path / str(devices))])
   one, four = run(1), run(4)
   assert (one["devices"], four["devices"]) == (1, 4)
