@@ -65,8 +65,8 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
   if devices:
     parser.add_argument("--devices", type=int, default=1,
                         help="train on this many devices, FSDP: each device runs the loss "
-                             "(packed, at its own capacity) on its own rows of every batch, "
-                             "the weights split over the devices (sebp_jax.sharding.fsdp_loss)")
+                             "on its own rows of every batch, at its own capacity, the weights "
+                             "split over the devices (sebp_jax.sharding.fsdp_loss)")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
