@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
+from jax.sharding import AxisType
 
 #: Layer shapes (in_features, out_features) of the models the benchmarks stand for.
 SHAPES = {
@@ -57,6 +58,16 @@ def over_input_sets(fn: Callable) -> Callable:
   distinct inputs keep a repeated evaluation from reading its operands out of L2.
   """
   return lambda *input_sets: [fn(*inputs) for inputs in input_sets]
+
+
+def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
+  """A mesh of the first ``devices`` devices on one ``Auto`` axis, ``"data"``; None for one."""
+  if devices == 1:
+    return None
+  if devices > len(jax.devices()):
+    raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices here")
+  return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:devices])
 
 
 def free_port() -> int:

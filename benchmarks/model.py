@@ -95,11 +95,12 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from benchmarks.harness import (append_json_lines, join_processes, launch_processes, median_ms,
-                                parse_positive_ints, parse_subset, read_json_lines, record)
+from benchmarks.harness import (append_json_lines, data_parallel_mesh, join_processes,
+                                launch_processes, median_ms, parse_positive_ints, parse_subset,
+                                read_json_lines, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -503,16 +504,6 @@ def peak_bytes(compiled) -> int | None:
     return None
   return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
              + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-
-
-def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
-  """A mesh of the first ``devices`` devices on one ``Auto`` axis, ``"data"``; None for one."""
-  if devices == 1:
-    return None
-  if devices > len(jax.devices()):
-    raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices here")
-  return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:devices])
 
 
 def param_shardings(params, mesh, fsdp: str | None):

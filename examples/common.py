@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from benchmarks.harness import median_ms
@@ -118,14 +118,6 @@ def run_capacities(train_batches: list[dict], count: int = 4, num_shards: int = 
   return [token_capacity(mask, buckets=buckets, num_shards=num_shards) for mask in masks]
 
 
-def data_mesh(devices: int) -> jax.sharding.Mesh | None:
-  """The first ``devices`` devices on one axis, ``"data"``, for :func:`fit`; None for one."""
-  if devices == 1:
-    return None
-  return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:devices])
-
-
 def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
         optimizer: optax.GradientTransformation, desc: str,
         capacities: list[int | None], mesh: jax.sharding.Mesh | None = None,
@@ -133,11 +125,11 @@ def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
   """Runs one jitted optimizer step per batch with a progress bar, each batch at its static
   capacity (None: dense); returns params, losses and how many times the step compiled.
 
-  With a ``mesh`` (:func:`data_mesh`), FSDP: the params and the optimizer's moments are split
-  over its devices (:func:`sebp_jax.sharding.fsdp_specs`), each batch's rows too, and each
-  device runs ``loss_fn`` on its own rows at ``capacity``, a device's
-  (:func:`sebp_jax.sharding.fsdp_loss`; ``weight_fn`` as there): the losses and gradients
-  are one device's."""
+  With a ``mesh`` (``benchmarks.harness.data_parallel_mesh``), FSDP: the params and the
+  optimizer's moments are split over its devices (:func:`sebp_jax.sharding.fsdp_specs`),
+  each batch's rows too, and each device runs ``loss_fn`` on its own rows at ``capacity``,
+  a device's (:func:`sebp_jax.sharding.fsdp_loss`; ``weight_fn`` as there): the losses and
+  gradients are one device's."""
   compiles = []
   place = lambda batch: batch
   if mesh is not None:

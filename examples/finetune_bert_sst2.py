@@ -33,8 +33,9 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from examples.common import (data_mesh, finish_run, fit, loss_trend, parse_training_args,
-                             run_capacities, sebp_context)
+from benchmarks.harness import data_parallel_mesh
+from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
+                             sebp_context)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
   for mode in MODES:
     params, losses, compiles = fit(loss_fns[mode], initial_params, train_batches, optimizer,
                                    mode, capacities if mode == "sebp" else dense_capacities,
-                                   mesh=data_mesh(args.devices))
+                                   mesh=data_parallel_mesh(args.devices))
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
     results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy, "compiles": compiles}
     print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "

@@ -32,8 +32,9 @@ import functools
 import numpy as np
 import optax
 
-from examples.common import (data_mesh, finish_run, fit, loss_trend, parse_training_args,
-                             run_capacities, sebp_context)
+from benchmarks.harness import data_parallel_mesh
+from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
+                             sebp_context)
 from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog, token_budget_batches
@@ -123,7 +124,7 @@ def main(argv=None) -> dict:
     _, losses[mode], compiles[mode] = fit(
         loss_fns[mode], initial_params, train_batches, optimizer, mode,
         capacities if mode == "sebp" else [None] * len(capacities),
-        mesh=data_mesh(args.devices), weight_fn=weight_fn)
+        mesh=data_parallel_mesh(args.devices), weight_fn=weight_fn)
     print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
           f"time{'s' * (compiles[mode] != 1)}")
 

@@ -103,7 +103,7 @@ def test_data_parallel_modes_give_the_one_device_gradient(kind):
   want_loss, want = jax.jit(jax.value_and_grad(model.make_loss(kind, net, "dense", top_n,
                                                                "xla")))(net.params, batch)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
-  mesh = model.data_parallel_mesh(2)
+  mesh = harness.data_parallel_mesh(2)
   split = jax.device_put(batch, NamedSharding(mesh, P("data")))
   # The NNX Llama's slower to compile: its modes apart from Linen's are tested elsewhere.
   modes = (("sebp_shared", "sebp_packed") if setup.nnx
