@@ -15,10 +15,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.experimental.profiler import get_profiled_instructions_proto
 from jax.sharding import AxisType
 
 #: Layer shapes (in_features, out_features) of the models the benchmarks stand for.
@@ -68,6 +72,31 @@ def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
     raise ValueError(f"--devices {devices}: only {len(jax.devices())} devices here")
   return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,),
                        devices=jax.devices()[:devices])
+
+
+def profile_guided(lowered: jax.stages.Lowered, args: tuple, runs: int) -> jax.stages.Compiled:
+  """``lowered`` compiled for XLA's profile-guided latency estimator: a compile without CUDA
+  graphs runs ``runs`` times under a device trace, whose measured op times then schedule the
+  collectives against the computation in the second, default compile (NVIDIA GPUs;
+  elsewhere the trace has no op times and the second compile is the default one). With
+  several processes the first one's profile is every process's, so that all order their
+  collectives alike."""
+  # Command buffers off for the trace: inside a CUDA graph the ops it times are not seen.
+  compiled = lowered.compile({"xla_gpu_enable_command_buffer": ""})
+  jax.block_until_ready(compiled(*args))  # Warm-up, out of the trace.
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(runs):
+      jax.block_until_ready(compiled(*args))
+    jax.profiler.stop_trace()
+    run_dir = max(pathlib.Path(trace_dir, "plugins", "profile").iterdir())
+    profile = get_profiled_instructions_proto(str(run_dir))
+  if jax.process_count() > 1:
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(profile))))
+    mine = np.zeros(size, np.uint8)
+    mine[:min(size, len(profile))] = np.frombuffer(profile, np.uint8)[:size]
+    profile = np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8).tobytes()
+  return lowered.compile({"fdo_profile": profile})
 
 
 def free_port() -> int:

@@ -28,7 +28,8 @@ place of one process driving all four, measured against the one-device records a
 ``--out`` (a ``--devices 1`` run before). Each call is synced before the next (the host's
 dispatch timed too) unless ``--calls-per-repeat`` dispatches several back to back, as a
 training loop does; ``--stages step`` times the step alone; ``--compiler-option`` passes XLA
-options to the runs on several devices.
+options to the runs on several devices, and ``--pgle-runs`` compiles their steps again for
+XLA's profile-guided latency estimator.
 
 Modes:
   dense          fixed padding, dense backward
@@ -100,7 +101,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import (append_json_lines, data_parallel_mesh, join_processes,
                                 launch_processes, median_ms, parse_positive_ints, parse_subset,
-                                read_json_lines, record)
+                                profile_guided, read_json_lines, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -570,9 +571,10 @@ class Placement:
     return dict(batch_axes="data", mesh=self.mesh)
 
   def calls(self, loss_fn, host_batch, stages=STAGES, compiler_options=None,
-            weight_fn=None) -> dict:
+            weight_fn=None, pgle_runs: int = 0) -> dict:
     """{stage: (jitted function, its arguments)} for ``stages`` of ``loss_fn`` on
-    ``host_batch``, the batch split over the mesh; the step's function compiled.
+    ``host_batch``, the batch split over the mesh; the step's function compiled (with
+    ``pgle_runs``, for XLA's profile-guided latency estimator: :func:`profile_guided`).
     ``weight_fn``: what the loss averages over on a batch (``fsdp_loss``'s)."""
     batch = host_batch
     if self.mesh is not None:
@@ -600,9 +602,11 @@ class Placement:
     if "step" in stages:
       out_shardings = None if self.mesh is None else jax.tree.map(
           lambda a: a.sharding, (self.params, self.opt_state))
-      compiled_step = jit(step, out_shardings=out_shardings).lower(
-          self.params, self.opt_state, batch).compile()
-      calls["step"] = (compiled_step, (self.params, self.opt_state, batch))
+      arguments = (self.params, self.opt_state, batch)
+      lowered = jit(step, out_shardings=out_shardings).lower(*arguments)
+      compiled_step = (profile_guided(lowered, arguments, pgle_runs) if pgle_runs
+                       else lowered.compile())
+      calls["step"] = (compiled_step, arguments)
     return calls
 
 
@@ -611,7 +615,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         rounds: int = 1,
         batch_size: int | None = None, balance: bool = False, shard_lengths: str = "same",
         stages=STAGES, compiler_options=None, calls_per_repeat: int = 1,
-        packed_capacity: int | None = None):
+        packed_capacity: int | None = None, pgle_runs: int = 0):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -636,13 +640,16 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   ``{"xla_gpu_enable_latency_hiding_scheduler": True}``). ``calls_per_repeat``: calls
   dispatched back to back before one sync, so that the host's dispatch of a call overlaps the
   device's work on the one before, as in a training loop (1: the host's dispatch is timed
-  too). ``packed_capacity``: the packed modes' capacity, in place of the batch's own."""
+  too). ``packed_capacity``: the packed modes' capacity, in place of the batch's own.
+  ``pgle_runs``: on several devices, each step compiled again for XLA's profile-guided
+  latency estimator, from a device trace of that many calls (:func:`profile_guided`)."""
   if balance and shard_lengths != "drawn":
     raise ValueError("balance reorders drawn lengths: pass shard_lengths='drawn'")
   unknown = set(stages) - set(STAGES)
   if unknown or "step" not in stages:
     raise ValueError(f"stages must include 'step' and be among {STAGES}, got {stages}")
   options = dict(compiler_options or {}) if devices > 1 else {}
+  pgle_runs = pgle_runs if devices > 1 else 0
   setup = setup_for(kind, tiny, batch_size)
   model = build_model(kind, tiny, jnp.bfloat16)
   params = model.params
@@ -666,7 +673,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 calls_per_repeat=calls_per_repeat,
                 backend=backend, devices=devices, balanced=balance,
                 shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
-                processes=jax.process_count(), packed_capacity=packed_capacity)
+                processes=jax.process_count(), packed_capacity=packed_capacity,
+                pgle_runs=pgle_runs)
 
   def fields_of(fsdp_kind: str | None, mode: str) -> dict:
     return {**fields, "fsdp": fsdp_kind if devices > 1 else None,
@@ -682,7 +690,8 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                                     placement.sebp_sharding, packed_capacity,
                                     num_shards=devices)
     try:
-      calls = placement.calls(loss_fn, host_batch, stages, options, weight_fn=loss_weight(kind))
+      calls = placement.calls(loss_fn, host_batch, stages, options, weight_fn=loss_weight(kind),
+                              pgle_runs=pgle_runs)
       compiled_step = calls["step"][0]
       for fn, args in calls.values():
         for _ in range(2):  # compile and warm up
@@ -908,6 +917,10 @@ def main(argv=None) -> list[dict]:
                       default=[], metavar="NAME=VALUE",
                       help="an XLA option the runs on several devices compile with, e.g. "
                            "xla_gpu_enable_latency_hiding_scheduler=true (repeatable)")
+  parser.add_argument("--pgle-runs", type=int, default=0,
+                      help="on several devices, compile each step again for XLA's "
+                           "profile-guided latency estimator, from a device trace of this "
+                           "many calls (GPU; 0: the default compile)")
   parser.add_argument("--processes", type=int, default=1,
                       help="run as this many processes of one device each (jax.distributed, "
                            "GPU i for process i), started here; --devices must then be the "
@@ -928,6 +941,8 @@ def main(argv=None) -> list[dict]:
     parser.error("--stages must include step")
   if args.processes <= 0:
     parser.error("--processes must be positive")
+  if args.pgle_runs < 0:
+    parser.error("--pgle-runs must be 0 or more")
   if (args.process_id is None) != (args.coordinator is None):
     parser.error("--process-id and --coordinator go together")
   if args.process_id is None and args.processes > 1:
@@ -955,7 +970,7 @@ def main(argv=None) -> list[dict]:
                    shard_lengths=args.shard_lengths, stages=args.stages,
                    compiler_options=dict(args.compiler_option),
                    calls_per_repeat=args.calls_per_repeat,
-                   packed_capacity=args.packed_capacity)
+                   packed_capacity=args.packed_capacity, pgle_runs=args.pgle_runs)
         one_device = runs if devices == 1 else one_device
         rows += runs
   if not quiet:

@@ -442,14 +442,15 @@ def test_balance_benchmark_evens_the_fullest_shard():
 def test_model_benchmark_runs_as_several_processes(tmp_path, monkeypatch):
   """--processes 2: two processes of one device each (jax.distributed, Gloo on CPU), the
   packed step and the dense one over both; the first process writes the records, with the
-  same collectives for both modes."""
+  same collectives for both modes. --pgle-runs: each step traced and compiled again, the
+  first process's profile sent to the other (on CPU the trace has no op times)."""
   monkeypatch.delenv("XLA_FLAGS", raising=False)  # One host device per process.
   out = tmp_path / "model.jsonl"
   rows = model.main(["--tiny", "--model", "bert", "--modes", "dense,sebp_packed",
                      "--processes", "2", "--devices", "2", "--stages", "step", "--repeats",
-                     "1", "--rounds", "1", "--out", str(out)])
-  assert [(r["mode"], r["devices"], r["processes"]) for r in rows] == [
-      ("dense", 2, 2), ("sebp_packed", 2, 2)]
+                     "1", "--rounds", "1", "--pgle-runs", "2", "--out", str(out)])
+  assert [(r["mode"], r["devices"], r["processes"], r["pgle_runs"]) for r in rows] == [
+      ("dense", 2, 2, 2), ("sebp_packed", 2, 2, 2)]
   assert len(out.read_text().splitlines()) == 2
   dense, packed = rows
   assert packed["step_ms"] > 0 and dense["collectives"] == {"all-reduce": 1}
@@ -596,3 +597,15 @@ def test_packed_capacity_replaces_the_batch_own_where_it_holds_it(monkeypatch):
   _, packed = model.mode_loss("bert", net, "sebp_packed", batch, 8, "xla", packed_capacity=rows)
   np.testing.assert_allclose(jax.jit(packed)(net.params, batch),
                              jax.jit(dense)(net.params, batch), rtol=2e-5)
+
+
+def test_profile_guided_compile_computes_what_the_default_compile_does():
+  """profile_guided: traced, then compiled again with the trace's profile (empty on CPU); the
+  executable it returns computes the function's values."""
+  x = jax.random.normal(jax.random.key(3), (32, 48))
+  w = jax.random.normal(jax.random.key(4), (48, 16))
+  fn = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0))
+  lowered = fn.lower(x, w)
+  compiled = harness.profile_guided(lowered, (x, w), runs=2)
+  expected = np.tanh(np.asarray(x, np.float64) @ np.asarray(w, np.float64)).sum(axis=0)
+  np.testing.assert_allclose(compiled(x, w), expected, rtol=1e-5, atol=1e-5)
