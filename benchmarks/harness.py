@@ -76,25 +76,30 @@ def data_parallel_mesh(devices: int) -> jax.sharding.Mesh | None:
 
 def profile_guided(lowered: jax.stages.Lowered, args: tuple, runs: int) -> jax.stages.Compiled:
   """``lowered`` compiled for XLA's profile-guided latency estimator: a compile without CUDA
-  graphs runs ``runs`` times under a device trace, whose measured op times then schedule the
-  collectives against the computation in the second, default compile (NVIDIA GPUs;
-  elsewhere the trace has no op times and the second compile is the default one). With
-  several processes the first one's profile is every process's, so that all order their
-  collectives alike."""
+  graphs runs ``runs`` times, under a device trace on the first process, whose measured op
+  times then schedule the collectives against the computation in the second, default
+  compile (NVIDIA GPUs; elsewhere the trace has no op times and the second compile is the
+  default one). Every process compiles with the first one's profile, so that all order
+  their collectives alike; an error that stops one process alone (out of memory in these
+  runs) leaves the others waiting for it."""
   # Command buffers off for the trace: inside a CUDA graph the ops it times are not seen.
   compiled = lowered.compile({"xla_gpu_enable_command_buffer": ""})
   jax.block_until_ready(compiled(*args))  # Warm-up, out of the trace.
+  tracing = jax.process_index() == 0
   with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    for _ in range(runs):
-      jax.block_until_ready(compiled(*args))
-    jax.profiler.stop_trace()
-    run_dir = max(pathlib.Path(trace_dir, "plugins", "profile").iterdir())
-    profile = get_profiled_instructions_proto(str(run_dir))
+    if tracing:
+      jax.profiler.start_trace(trace_dir)
+    try:
+      for _ in range(runs):
+        jax.block_until_ready(compiled(*args))
+    finally:
+      if tracing:
+        jax.profiler.stop_trace()
+    profile = (get_profiled_instructions_proto(
+        str(max(pathlib.Path(trace_dir, "plugins", "profile").iterdir()))) if tracing else b"")
   if jax.process_count() > 1:
     size = int(multihost_utils.broadcast_one_to_all(np.int64(len(profile))))
-    mine = np.zeros(size, np.uint8)
-    mine[:min(size, len(profile))] = np.frombuffer(profile, np.uint8)[:size]
+    mine = np.frombuffer(profile, np.uint8) if tracing else np.zeros(size, np.uint8)
     profile = np.asarray(multihost_utils.broadcast_one_to_all(mine), np.uint8).tobytes()
   return lowered.compile({"fdo_profile": profile})
 

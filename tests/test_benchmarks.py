@@ -599,9 +599,9 @@ def test_packed_capacity_replaces_the_batch_own_where_it_holds_it(monkeypatch):
                              jax.jit(dense)(net.params, batch), rtol=2e-5)
 
 
-def test_profile_guided_compile_computes_what_the_default_compile_does():
+def test_profile_guided_compile_computes_the_function():
   """profile_guided: traced, then compiled again with the trace's profile (empty on CPU); the
-  executable it returns computes the function's values."""
+  executable it returns computes the function's values (float64 numpy's)."""
   x = jax.random.normal(jax.random.key(3), (32, 48))
   w = jax.random.normal(jax.random.key(4), (48, 16))
   fn = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0))
