@@ -345,7 +345,10 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
   then updates each device's shard only. Left to XLA's partitioner, the same split parameters
   may be gathered again for the backward and their gradients summed whole before being split
   (all-reduces): this form has one all-gather and one reduce-scatter per split parameter, the
-  dense step and an SEBP or packed one alike.
+  dense step and an SEBP or packed one alike. XLA combines small reduce-scatters up to a
+  threshold; on a link where small collectives are slow (2 GPUs of one host in the README's
+  measurements), compile the step with a larger one
+  (``compiler_options={"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20}``).
 
   Two kinds of split parameter of a Linen model need not be gathered at all, and their
   all-gather at the step's start and reduce-scatter at its end, which nothing can overlap,
