@@ -597,7 +597,7 @@ def test_fsdp_specs_split_matrices_by_rows_and_a_head_by_its_vocabulary_where_th
 
 def test_fsdp_step_compiles_with_the_readmes_reduce_scatter_threshold():
   """The compiler option the README gives for 2 GPUs compiles here too, and the step's value
-  and gradient stay one device's (float64 numpy), two Dense layers split by rows."""
+  and gradient stay one device's (float64 numpy), two weight matrices split by rows."""
   rng = np.random.default_rng(7)
   x = rng.normal(size=(8, 16)).astype(np.float32)
   params = {"w1": rng.normal(size=(16, 12)).astype(np.float32) / 4,
