@@ -187,6 +187,19 @@ def parse_positive_ints(text: str) -> list[int]:
   return values
 
 
+def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
+  """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  try:
+    return name, int(value)
+  except ValueError:
+    return name, value
+
+
 def parse_subset(text: str, choices: Sequence[str]) -> list[str]:
   """A comma list of distinct names out of ``choices``."""
   names = [name for name in text.split(",") if name]

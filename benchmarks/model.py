@@ -100,8 +100,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from benchmarks.harness import (append_json_lines, data_parallel_mesh, join_processes,
-                                launch_processes, median_ms, parse_positive_ints, parse_subset,
-                                profile_guided, read_json_lines, record)
+                                launch_processes, median_ms, parse_compiler_option,
+                                parse_positive_ints, parse_subset, profile_guided,
+                                read_json_lines, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -833,19 +834,6 @@ def print_best_batches(best) -> None:
     print(f"{b['model']:14} {b['mode']:28} {b['batch_size']:10d} "
           f"{b['real_tokens_per_s']:11.0f} {'' if mfu is None else f'{mfu:5.2f}':>5} "
           f"{'' if ratio is None else f'{ratio:.2f}x':>20}")
-
-
-def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
-  """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
-  name, sep, value = text.partition("=")
-  if not sep or not name:
-    raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-  if value.lower() in ("true", "false"):
-    return name, value.lower() == "true"
-  try:
-    return name, int(value)
-  except ValueError:
-    return name, value
 
 
 def parse_fsdp_kinds(text: str) -> list[str]:

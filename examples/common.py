@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from benchmarks.harness import median_ms
+from benchmarks.harness import median_ms, parse_compiler_option
 from examples.datasets import DATA_DIR
 from sebp_jax import RowLog, capacity_buckets, token_capacity, use_sebp
 from sebp_jax.sharding import fsdp_loss, fsdp_specs, shard_row_counts
@@ -67,6 +67,11 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                         help="train on this many devices, FSDP: each device runs the loss "
                              "on its own rows of every batch, at its own capacity, the weights "
                              "split over the devices (sebp_jax.sharding.fsdp_loss)")
+    parser.add_argument("--compiler-option", type=parse_compiler_option, action="append",
+                        default=[], metavar="NAME=VALUE", dest="compiler_options",
+                        help="an XLA option the training step compiles with (repeatable), "
+                             "such as xla_gpu_reduce_scatter_combine_threshold_bytes=268435456 "
+                             "for --devices 2 on GPUs (README, several GPUs)")
   if extra:
     extra(parser)
   args = parser.parse_args(argv)
@@ -83,6 +88,12 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                    f"{args.devices}")
     if args.row_log:
       parser.error("--row-log runs on one device: leave out --devices")
+  if devices:
+    args.compiler_options = dict(args.compiler_options)
+    try:  # A misspelt name or a bad value fails here, not after the model has loaded.
+      jax.jit(lambda: 0, compiler_options=args.compiler_options or None).lower().compile()
+    except jax.errors.JaxRuntimeError as error:
+      parser.error(f"--compiler-option: {error}")
   return args
 
 
@@ -121,7 +132,8 @@ def run_capacities(train_batches: list[dict], count: int = 4, num_shards: int = 
 def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
         optimizer: optax.GradientTransformation, desc: str,
         capacities: list[int | None], mesh: jax.sharding.Mesh | None = None,
-        weight_fn: Callable | None = None) -> tuple[dict, list[float], int]:
+        weight_fn: Callable | None = None,
+        compiler_options: dict | None = None) -> tuple[dict, list[float], int]:
   """Runs one jitted optimizer step per batch with a progress bar, each batch at its static
   capacity (None: dense); returns params, losses and how many times the step compiled.
 
@@ -129,7 +141,7 @@ def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
   optimizer's moments are split over its devices (:func:`sebp_jax.sharding.fsdp_specs`),
   each batch's rows too, and each device runs ``loss_fn`` on its own rows at ``capacity``,
   a device's (:func:`sebp_jax.sharding.fsdp_loss`; ``weight_fn`` as there): the losses and
-  gradients are one device's."""
+  gradients are one device's. ``compiler_options``: XLA options the step compiles with."""
   compiles = []
   place = lambda batch: batch
   if mesh is not None:
@@ -142,7 +154,8 @@ def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
       return fsdp_loss(functools.partial(one_device_loss, capacity=capacity), mesh, specs,
                        weight_fn=weight_fn)(params, batch)
 
-  @functools.partial(jax.jit, static_argnames="capacity")
+  @functools.partial(jax.jit, static_argnames="capacity",
+                     compiler_options=compiler_options or None)
   def train_step(params, opt_state, batch, capacity):
     compiles.append(capacity)  # Runs only while tracing: once per compile.
     loss, grads = jax.value_and_grad(loss_fn)(params, batch, capacity)

@@ -11,7 +11,8 @@ on that index instead.
 With ``--devices N`` both runs train on N devices, FSDP (``sebp_jax.sharding.fsdp_loss``): the
 weights and AdamW's moments split over the devices, each device running the loss on its own
 sentences of every batch, packed at its own capacity; the losses are one device's. The timing
-stays on one device.
+stays on one device. ``--compiler-option NAME=VALUE`` passes an XLA option to the step's
+compile.
 
 Prints the loss and the dev accuracy of both runs, their largest per-step loss difference and
 the backward- and gradient-time ratios, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
@@ -127,7 +128,8 @@ def main(argv=None) -> dict:
   for mode in MODES:
     params, losses, compiles = fit(loss_fns[mode], initial_params, train_batches, optimizer,
                                    mode, capacities if mode == "sebp" else dense_capacities,
-                                   mesh=data_parallel_mesh(args.devices))
+                                   mesh=data_parallel_mesh(args.devices),
+                                   compiler_options=args.compiler_options)
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
     results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy, "compiles": compiles}
     print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "
@@ -136,7 +138,7 @@ def main(argv=None) -> dict:
   fields = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "capacities": sorted(set(capacities)),
       "kept_fraction": capacities[0] * args.devices / rows, "packed": args.packed,
-      "devices": args.devices,
+      "devices": args.devices, "compiler_options": args.compiler_options,
       **{f"{mode}_compiles": results[mode]["compiles"] for mode in MODES},
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},

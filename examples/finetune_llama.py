@@ -14,13 +14,16 @@ dense; it is a large layer (vocabulary x hidden size), and swapping it is just a
 With ``--devices N`` both runs train on N devices, FSDP (``sebp_jax.sharding.fsdp_loss``): the
 weights and AdamW's moments split over the devices (``sebp_jax.sharding.fsdp_specs``), and each
 device running the loss on its own rows of every batch, packed at its own capacity; the
-losses are one device's. The timing stays on one device.
+losses are one device's. The timing stays on one device. ``--compiler-option NAME=VALUE``
+passes an XLA option to the step's compile: on 2 GPUs, combining the gradients'
+reduce-scatters (the README's several-GPUs section).
 
 Prints the loss of both runs, their largest per-step difference and the backward-time ratio;
 writes ``loss_curves.png`` and ``summary.json`` under ``--out``. From the repository root:
 
     python -m examples.finetune_llama
-    python -m examples.finetune_llama --devices 2
+    python -m examples.finetune_llama --devices 2 \
+        --compiler-option xla_gpu_reduce_scatter_combine_threshold_bytes=268435456
     python -m examples.finetune_llama --help
 """
 
@@ -124,7 +127,8 @@ def main(argv=None) -> dict:
     _, losses[mode], compiles[mode] = fit(
         loss_fns[mode], initial_params, train_batches, optimizer, mode,
         capacities if mode == "sebp" else [None] * len(capacities),
-        mesh=data_parallel_mesh(args.devices), weight_fn=weight_fn)
+        mesh=data_parallel_mesh(args.devices), weight_fn=weight_fn,
+        compiler_options=args.compiler_options)
     print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
           f"time{'s' * (compiles[mode] != 1)}")
 
@@ -132,6 +136,7 @@ def main(argv=None) -> dict:
             "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
             "kept_fraction": capacities[0] * args.devices / rows, "sebp_lm_head": args.lm_head,
             "packed": args.packed, "devices": args.devices,
+            "compiler_options": args.compiler_options,
             **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
   timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
            "sebp": functools.partial(make_loss(model, args.lm_head, args.packed),

@@ -484,13 +484,13 @@ def test_shards_hold_the_one_device_lengths_or_their_own():
 
 
 def test_compiler_options_parse_as_xla_values():
-  assert model.parse_compiler_option("xla_a=true") == ("xla_a", True)
-  assert model.parse_compiler_option("xla_b=False") == ("xla_b", False)
-  assert model.parse_compiler_option("xla_c=8388608") == ("xla_c", 8388608)
-  assert model.parse_compiler_option("xla_d=FUSION,CUBLAS") == ("xla_d", "FUSION,CUBLAS")
+  assert harness.parse_compiler_option("xla_a=true") == ("xla_a", True)
+  assert harness.parse_compiler_option("xla_b=False") == ("xla_b", False)
+  assert harness.parse_compiler_option("xla_c=8388608") == ("xla_c", 8388608)
+  assert harness.parse_compiler_option("xla_d=FUSION,CUBLAS") == ("xla_d", "FUSION,CUBLAS")
   for text in ("xla_e", "=1"):
     with pytest.raises(harness.argparse.ArgumentTypeError, match="NAME=VALUE"):
-      model.parse_compiler_option(text)
+      harness.parse_compiler_option(text)
 
 
 def test_modes_take_a_backend_of_their_own():

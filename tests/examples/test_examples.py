@@ -5,10 +5,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from examples import finetune_bert_sst2, finetune_llama, finetune_llama_nnx
-from examples.common import max_loss_difference, speedups, time_forward_backward
+from examples.common import fit, max_loss_difference, speedups, time_forward_backward
 from examples.datasets import DATA_DIR
 
 EXAMPLES = [finetune_bert_sst2, finetune_llama, finetune_llama_nnx]
@@ -209,11 +210,15 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
       vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64), seed=3)
   monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
-  run = lambda devices: finetune_llama.main([
-      "--steps", "3", "--batch-size", "4", "--max-length", "64", "--devices", str(devices), packing,
-      "--timing-repeats", "1", "--out", str(tmp_path / str(devices))])
-  one, four = run(1), run(4)
+  run = lambda *flags: finetune_llama.main([
+      "--steps", "3", "--batch-size", "4", "--max-length", "64", packing, *flags,
+      "--timing-repeats", "1", "--out", str(tmp_path / flags[-1])])
+  # The README's option for 2 GPUs: XLA's CPU backend compiles with it as without.
+  combine = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20}
+  one, four = run("--devices", "1"), run(
+      *[f"--compiler-option={name}={value}" for name, value in combine.items()], "--devices", "4")
   assert (one["devices"], four["devices"]) == (1, 4)
+  assert (one["compiler_options"], four["compiler_options"]) == ({}, combine)
   for mode in ("dense", "sebp"):
     np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
   assert four["max_loss_difference"] < 1e-5
@@ -225,8 +230,32 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
     (["--devices", "8"], "--devices 8: this machine has 4"),
     (["--devices", "3"], "--batch-size 4 does not split over --devices 3"),
     (["--devices", "2", "--row-log"], "--row-log runs on one device"),
-], ids=["too_many", "uneven", "row_log"])
+    (["--compiler-option", "xla_gpu_reduce_scatter_combine_threshold_bytes"],
+     "expected NAME=VALUE"),
+    (["--compiler-option", "xla_no_such_option=1"], "No such compile option: 'xla_no_such_option'"),
+    (["--compiler-option", "xla_gpu_reduce_scatter_combine_threshold_bytes=many"],
+     "'many' is not a valid int64 value"),
+], ids=["too_many", "uneven", "row_log", "no_value", "misspelt_option", "bad_value"])
 def test_devices_errors_name_the_flags(argv, message, capsys):
   with pytest.raises(SystemExit):
     finetune_llama.parse_args(["--batch-size", "4", *argv])
   assert message in capsys.readouterr().err
+
+
+def test_the_training_step_compiles_with_the_options_given():
+  """fit's step takes the XLA options (a misspelt one fails its compile) and trains with
+  valid ones as without: a least-squares fit, one step of SGD against the hand-derived
+  update."""
+  rng = np.random.default_rng(4)
+  x, y, w = rng.normal(size=(8, 3)), rng.normal(size=8), rng.normal(size=3)
+  batches = [{"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}]
+  loss_fn = lambda params, batch, capacity: jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+  run = lambda options: fit(loss_fn, {"w": jnp.asarray(w, jnp.float32)}, batches,
+                            optax.sgd(0.1), "sgd", [None], compiler_options=options)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
+    run({"xla_no_such_option": 1})
+  params, losses, compiles = run({"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20})
+  expected = w - 0.1 * 2 * x.T @ (x @ w - y) / len(y)
+  np.testing.assert_allclose(params["w"], expected, rtol=1e-5)
+  np.testing.assert_allclose(losses, [np.mean((x @ w - y) ** 2)], rtol=1e-5)
+  assert compiles == 1
