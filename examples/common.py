@@ -90,8 +90,9 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
       parser.error("--row-log runs on one device: leave out --devices")
   if devices:
     args.compiler_options = dict(args.compiler_options)
+  if devices and args.compiler_options:
     try:  # A misspelt name or a bad value fails here, not after the model has loaded.
-      jax.jit(lambda: 0, compiler_options=args.compiler_options or None).lower().compile()
+      jax.jit(lambda: 0, compiler_options=args.compiler_options).lower().compile()
     except jax.errors.JaxRuntimeError as error:
       parser.error(f"--compiler-option: {error}")
   return args
