@@ -33,8 +33,8 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                         packed: bool = True, devices: bool = False) -> argparse.Namespace:
   """The command line the examples share (defaults per example, ``packed`` that of
   ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
-  ``devices``: ``--devices``, training on several (:func:`fit`). Every count must be
-  positive."""
+  ``devices``: ``--devices``, training on several (:func:`fit`), and ``--compiler-option``,
+  XLA options for the training step, checked here. Every count must be positive."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -89,12 +89,16 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
     if args.row_log:
       parser.error("--row-log runs on one device: leave out --devices")
   if devices:
+    names = [name for name, _ in args.compiler_options]
+    repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if repeated:
+      parser.error(f"--compiler-option {repeated[0]} given twice")
     args.compiler_options = dict(args.compiler_options)
-  if devices and args.compiler_options:
-    try:  # A misspelt name or a bad value fails here, not after the model has loaded.
-      jax.jit(lambda: 0, compiler_options=args.compiler_options).lower().compile()
-    except jax.errors.JaxRuntimeError as error:
-      parser.error(f"--compiler-option: {error}")
+    if args.compiler_options:
+      try:  # A misspelt name or a bad value fails here, not after the model has loaded.
+        jax.jit(lambda: 0, compiler_options=args.compiler_options).lower().compile()
+      except jax.errors.JaxRuntimeError as error:
+        parser.error(f"--compiler-option: {error}")
   return args
 
 

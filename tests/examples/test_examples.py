@@ -98,6 +98,17 @@ def test_the_whole_sst2_training_set_takes_at_most_four_capacities():
     assert int(batch["attention_mask"].sum()) <= capacity
 
 
+def _record_fit_options(example, monkeypatch) -> list:
+  """The ``compiler_options`` each of ``example``'s training runs passes to ``fit``."""
+  seen = []
+
+  def recording_fit(*args, **kwargs):
+    seen.append(kwargs["compiler_options"])
+    return fit(*args, **kwargs)
+  monkeypatch.setattr(example, "fit", recording_fit)
+  return seen
+
+
 @pytest.mark.slow
 def test_the_bert_example_shows_the_row_log(tmp_path, capsys, monkeypatch):
   """A short unpacked run with ``--row-log``: every encoder layer reports, once per training
@@ -112,9 +123,14 @@ def test_the_bert_example_shows_the_row_log(tmp_path, capsys, monkeypatch):
       intermediate_size=64, num_labels=2), seed=0)
   monkeypatch.setattr(finetune_bert_sst2, "load_bert_classifier",
                       lambda num_labels, seed: (model, model.params, tokenizer))
+  fit_options = _record_fit_options(finetune_bert_sst2, monkeypatch)
   summary = finetune_bert_sst2.main([
       "--steps", "2", "--batch-size", "4", "--max-length", "32", "--dev-examples", "8",
-      "--timing-repeats", "1", "--no-packed", "--row-log", "--out", str(tmp_path)])
+      "--timing-repeats", "1", "--no-packed", "--row-log", "--out", str(tmp_path),
+      "--compiler-option", "xla_gpu_reduce_scatter_combine_threshold_bytes=268435456"])
+  # The option reaches both runs' training steps (XLA's CPU backend compiles as without it).
+  combine = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20}
+  assert fit_options == [combine, combine] and summary["compiler_options"] == combine
   lines = summary["row_log"].splitlines()
   assert "SEBP row log" in capsys.readouterr().out
   layers = [line for line in lines[1:] if line.startswith("bert/encoder/layer/")]
@@ -210,6 +226,7 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
       vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64), seed=3)
   monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
+  fit_options = _record_fit_options(finetune_llama, monkeypatch)
   run = lambda *flags: finetune_llama.main([
       "--steps", "3", "--batch-size", "4", "--max-length", "64", packing, *flags,
       "--timing-repeats", "1", "--out", str(tmp_path / flags[-1])])
@@ -219,6 +236,7 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
       *[f"--compiler-option={name}={value}" for name, value in combine.items()], "--devices", "4")
   assert (one["devices"], four["devices"]) == (1, 4)
   assert (one["compiler_options"], four["compiler_options"]) == ({}, combine)
+  assert fit_options == [{}, {}, combine, combine]  # Each run's dense and SEBP steps.
   for mode in ("dense", "sebp"):
     np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
   assert four["max_loss_difference"] < 1e-5
@@ -235,7 +253,9 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
     (["--compiler-option", "xla_no_such_option=1"], "No such compile option: 'xla_no_such_option'"),
     (["--compiler-option", "xla_gpu_reduce_scatter_combine_threshold_bytes=many"],
      "'many' is not a valid int64 value"),
-], ids=["too_many", "uneven", "row_log", "no_value", "misspelt_option", "bad_value"])
+    (["--compiler-option", "xla_a=1", "--compiler-option", "xla_a=2"],
+     "--compiler-option xla_a given twice"),
+], ids=["too_many", "uneven", "row_log", "no_value", "misspelt_option", "bad_value", "twice"])
 def test_devices_errors_name_the_flags(argv, message, capsys):
   with pytest.raises(SystemExit):
     finetune_llama.parse_args(["--batch-size", "4", *argv])
