@@ -282,31 +282,40 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   return dx, dkernel, dbias
 
 
-def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | str,
-                       threshold: float = 0.0, overflow: str = "exact",
-                       active_rows: Array | None = None, row_log=None) -> Array:
-  """The gradient of ``table[ids]`` with respect to the table, from the kept rows of dY.
+def embedding_kept_count(num_candidates: int, top_n: int | str, overflow: str) -> int:
+  """Rows :func:`embedding_rows` keeps of ``num_candidates``: every one for ``"exact"`` and
+  ``"auto"`` (a scatter of all of them costs little more than of ``top_n``, and needs no
+  run-time branch), else at most ``top_n``."""
+  if top_n == "auto" or overflow == "exact":
+    return num_candidates
+  return min(top_n, num_candidates)
+
+
+def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | str,
+                   threshold: float = 0.0, overflow: str = "exact",
+                   active_rows: Array | None = None, row_log=None
+                   ) -> tuple[Array, Array, Array | None]:
+  """The kept rows of dY and their ids, which :func:`scatter_into_table` adds into the table.
 
   Args:
     ids: ``int[T]`` token ids.
     dy: ``[T, F]`` output gradient.
     num_embeddings: rows of the table.
     top_n, threshold, overflow, active_rows, row_log: as in :func:`linear_backward`, except
-      that ``"exact"`` and ``"auto"`` scatter every active row at once: a scatter of all of
-      them costs little more than of ``top_n``, and needs no run-time branch.
+      that ``"exact"`` and ``"auto"`` keep every active row (:func:`embedding_kept_count`).
 
   Returns:
-    ``[num_embeddings, F]`` in the accumulation dtype (float32 for 16-bit dY): the
-    scatter-add of the kept rows of dY at their ids.
+    ``(kept_ids, kept_dy, poison)``: ``int32[K]`` ids (the out-of-range ``num_embeddings``
+    in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and None or a
+    float32 ``[1]`` that is NaN where the gradient must be (a NaN/Inf in a skipped row, an
+    overflow under ``"nan"``), else 0.
   """
-  accumulate = accumulation_dtype(dy.dtype)
   num_rows = dy.shape[0]
   if num_rows == 0:  # No rows: nothing to gather from.
-    return jnp.zeros((num_embeddings, dy.shape[1]), accumulate)
+    return jnp.zeros((0,), jnp.int32), jnp.zeros((0, dy.shape[1]), dy.dtype), None
   dy = first_order_only(dy)
   num_candidates = num_rows if active_rows is None else active_rows.shape[0]
-  capacity = num_candidates if top_n == "auto" or overflow == "exact" else min(top_n,
-                                                                               num_candidates)
+  capacity = embedding_kept_count(num_candidates, top_n, overflow)
   if overflow == "drop" and active_rows is None and capacity < num_rows:
     statistics = row_statistics(dy, threshold)
     rows = select_from_scores(statistics.scores, statistics.active, capacity)
@@ -325,8 +334,30 @@ def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int
   # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
   # are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
   ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
-  kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings)
+  kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings).astype(jnp.int32)
+  poison = None if poison is None else jnp.reshape(poison, (1,)).astype(jnp.float32)
+  return kept_ids, gather_rows(dy, rows), poison
+
+
+def scatter_into_table(kept_ids: Array, kept_dy: Array, poison: Array | None, *,
+                       num_embeddings: int) -> Array:
+  """``[num_embeddings, F]`` in the accumulation dtype (float32 for 16-bit dY): the
+  scatter-add of ``kept_dy``'s rows at ``kept_ids`` (out-of-range ids dropped), every
+  element NaN where ``poison`` (any of its elements) is."""
+  accumulate = accumulation_dtype(kept_dy.dtype)
   # The poison fills the whole table gradient, at no cost: the fill writes the table anyway.
-  fill = 0 if poison is None else poison.astype(accumulate)
-  return jnp.full((num_embeddings, dy.shape[1]), fill, accumulate).at[kept_ids].add(
-      gather_rows(dy, rows).astype(accumulate), mode="drop")
+  fill = 0 if poison is None else jnp.sum(poison).astype(accumulate)
+  return jnp.full((num_embeddings, kept_dy.shape[1]), fill, accumulate).at[kept_ids].add(
+      kept_dy.astype(accumulate), mode="drop")
+
+
+def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | str,
+                       threshold: float = 0.0, overflow: str = "exact",
+                       active_rows: Array | None = None, row_log=None) -> Array:
+  """The gradient of ``table[ids]`` with respect to the table, from the kept rows of dY
+  (:func:`embedding_rows`, then :func:`scatter_into_table`; arguments as there)."""
+  return scatter_into_table(
+      *embedding_rows(ids, dy, num_embeddings=num_embeddings, top_n=top_n,
+                      threshold=threshold, overflow=overflow, active_rows=active_rows,
+                      row_log=row_log),
+      num_embeddings=num_embeddings)

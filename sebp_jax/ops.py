@@ -35,10 +35,11 @@ from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from sebp_jax.backward import OVERFLOW_MODES, embedding_backward, linear_backward
+from sebp_jax.backward import (OVERFLOW_MODES, embedding_kept_count, embedding_rows,
+                               linear_backward, scatter_into_table)
 from sebp_jax.implementations import implementation_names
-from sebp_jax.sharding import (RowSharding, map_row_shards, normalize_batch_axes, row_sharding,
-                               vary_alike)
+from sebp_jax.sharding import (RowSharding, gather_row_shards, map_row_shards,
+                               normalize_batch_axes, row_sharding, vary_alike)
 
 Array = jax.Array
 
@@ -331,26 +332,49 @@ def _sebp_lookup_fwd(table, ids, active_rows, config: _LookupConfig):
   return _lookup(table, ids, config.dtype), (table, ids, active_rows)
 
 
-def _lookup_grads(config: _LookupConfig, table_shape, rows, whole):
-  """The table's gradient: a sum over the rows given."""
-  (ids, dy, active_rows), () = rows, whole
-  d_table = embedding_backward(
+def _kept_rows(config: _LookupConfig, table_shape, rows):
+  """The kept rows of dY and their ids (:func:`sebp_jax.backward.embedding_rows`)."""
+  ids, dy, active_rows = rows
+  return embedding_rows(
       ids.reshape(-1), dy.reshape(ids.size, table_shape[1]), num_embeddings=table_shape[0],
       top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
       active_rows=active_rows, row_log=config.row_log)
-  return (), (d_table,)
+
+
+def _lookup_grads(config: _LookupConfig, table_shape, rows, whole):
+  """The table's gradient: a sum over the rows given."""
+  del whole
+  return (), (scatter_into_table(*_kept_rows(config, table_shape, rows),
+                                 num_embeddings=table_shape[0]),)
+
+
+def _gathers_kept_rows(config: _LookupConfig, num_embeddings: int, ids: Array,
+                       active_rows: Array | None) -> bool:
+  """Whether the shards' kept rows of dY, gathered, cross devices in fewer bytes than the
+  table's gradient summed. Over n shards of K kept rows each, an all-reduce of a V-row table
+  sends 2(n-1)/n·V rows from each device and a gather (n-1)·K, fewer when n·K < 2V; asking
+  n·K <= V leaves room for the ids and for the scatter every device then runs."""
+  shards = config.sharding.num_shards
+  candidates = (ids.size if active_rows is None else active_rows.shape[0]) // shards
+  return shards * embedding_kept_count(candidates, config.top_n,
+                                       config.overflow) <= num_embeddings
 
 
 def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
   table, ids, active_rows = residuals
   # The gradient needs the table's shape, none of its values.
-  grads = functools.partial(_lookup_grads, config, table.shape)
   if config.sharding is None:
-    _, (d_table,) = grads((ids, dy, active_rows), ())
+    _, (d_table,) = _lookup_grads(config, table.shape, (ids, dy, active_rows), ())
+  elif _gathers_kept_rows(config, table.shape[0], ids, active_rows):
+    d_table = gather_row_shards(
+        functools.partial(_kept_rows, config, table.shape),
+        functools.partial(scatter_into_table, num_embeddings=table.shape[0]),
+        config.sharding, rows=(ids, dy, active_rows))
   else:
-    _, (d_table,) = map_row_shards(grads, config.sharding, rows=(ids, dy, active_rows),
-                                   whole=(), sums_like=(table,),
-                                   sums_dtype=config.dtype or table.dtype)
+    _, (d_table,) = map_row_shards(
+        functools.partial(_lookup_grads, config, table.shape), config.sharding,
+        rows=(ids, dy, active_rows), whole=(), sums_like=(table,),
+        sums_dtype=config.dtype or table.dtype)
   return d_table.astype(table.dtype), None, None
 
 
@@ -375,7 +399,10 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
       :func:`sebp_linear` (rows of dY
       flattened to ``[T, F]``), except that ``"exact"`` and ``"auto"`` scatter every active
       row at once, with no run-time branch. Where that keeps every non-zero row (no index,
-      no threshold, no log, no cast), the plain lookup runs, with autodiff's backward.
+      no threshold, no log, no cast), the plain lookup runs, with autodiff's backward. With
+      the rows split over devices, each shard's kept rows of dY and their ids are gathered
+      to every device, which scatters them into the table, where that moves fewer bytes
+      than summing the shards' tables (all shards' kept rows at most the table's rows).
     dtype: the compute dtype, as ``nn.Embed``'s ``dtype``: the table is cast to it for the
       lookup (None: no cast); its gradient comes back in the table's own dtype, rounded once
       from the float32 sums.

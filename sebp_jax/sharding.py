@@ -15,6 +15,10 @@ that split the batch:
   a reduce-scatter for one sharded FSDP-style. The partial sums cross devices in the compute
   dtype, as the dense backward's do (bfloat16 for a float32 weight used in bfloat16: half the
   bytes of float32), and the total is cast to the parameter's dtype after;
+* except an embedding table's gradient where all shards' kept rows are fewer than the
+  table's: each shard's kept rows of dY and their ids are gathered to every device, which
+  scatters them into the table itself (:func:`gather_row_shards`), moving those rows where a
+  sum would move the table;
 * parameters enter whole (replicated), as the dense backward needs them for dX.
 
 A step may instead be written per device, its loss in a ``jax.shard_map`` whose every device
@@ -226,6 +230,32 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
       total = jax.sharding.reshard(total, jax.typeof(like).sharding.spec)
     sums.append(total)
   return row_outputs, tuple(sums)
+
+
+def gather_row_shards(select: Callable, combine: Callable, sharding: RowSharding,
+                      rows: tuple[Array | None, ...]) -> Array:
+  """``combine`` of every shard's ``select``-ed pieces, the same on every device.
+
+  Args:
+    select: ``select(rows) -> pieces`` on each shard's block of ``rows`` (a tuple of arrays
+      or None, each with a leading dimension to join the shards' along).
+    combine: ``combine(*pieces) -> result`` on every shard's pieces, joined.
+    sharding: how ``rows`` are split.
+    rows: arrays split along their first dimension (None passes through).
+
+  Returns:
+    ``combine``'s result, whole on every device: each device gathers the pieces (an
+    all-gather, where :func:`map_row_shards` sums partial results) and combines them itself.
+  """
+  def block(rows):
+    pieces = tuple(None if p is None else jax.lax.all_gather(p, sharding.axes, tiled=True)
+                   for p in select(rows))
+    return combine(*pieces)
+
+  return jax.shard_map(
+      block, mesh=sharding.mesh, in_specs=(P(sharding.axes),), out_specs=P(),
+      axis_names=frozenset(sharding.axes), check_vma=False,
+  )(tuple(sharding.split_rows(r) for r in rows))
 
 
 def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int) -> Array:

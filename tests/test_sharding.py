@@ -249,6 +249,50 @@ def test_ops_select_per_shard(axis_type, backend):
     np.testing.assert_allclose(got_table, want_table, rtol=2e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_embeddings", [48, 400])
+def test_embedding_gradient_gathers_the_kept_rows_where_fewer_bytes(num_embeddings):
+  """4 shards of 24 kept rows (an Auto mesh: under Explicit axes a lookup of split ids needs
+  an out_sharding, dense or not): a table of 400 rows gets its gradient from the 96 kept rows
+  of dY gathered to every device (all-gathers, no all-reduce), one of 48 as the sum of each
+  shard's scatter (an all-reduce); one device's gradient either way, the table whole or split
+  by rows. A NaN in one shard's skipped row makes every element NaN."""
+  keys = jax.random.split(jax.random.key(7), 3)
+  ids = jax.random.randint(keys[0], (BATCH, LENGTH), 0, num_embeddings)
+  table = jax.random.normal(keys[1], (num_embeddings, FEATURES))
+  mask = _mask(2)
+  weights = jax.random.normal(keys[2], (BATCH, LENGTH, FEATURES)) * mask[..., None]
+  local_rows = np.full((4, 24), 2 * LENGTH, np.int32)
+  for shard, block in enumerate(mask.reshape(4, -1)):
+    (real,) = np.nonzero(block)
+    local_rows[shard, :len(real)] = real
+  padding = np.argwhere(~mask[2:4])[0] + (2, 0)  # A padding token of shard 1.
+
+  def loss(table, ids, weights, sebp):
+    if sebp:
+      rows = sebp_embed_lookup(table, ids, top_n=24, overflow="nan",
+                               batch_axes="data",
+                               active_rows=jnp.asarray(local_rows.reshape(-1)))
+    else:
+      rows = jnp.take(table, ids, axis=0)
+    return jnp.sum(jnp.sin(rows) * weights)
+
+  want = jax.grad(loss)(table, ids, weights, False)
+  mesh = _mesh(AxisType.Auto)
+  for table_spec in (P(), P("data")):
+    with jax.set_mesh(mesh):
+      args = (_put(table, mesh, table_spec), *_put((ids, weights), mesh, P("data")))
+      grad = jax.jit(jax.grad(loss), static_argnums=3)
+      np.testing.assert_allclose(grad(*args, True), want, rtol=2e-5, atol=1e-5)
+      sebp, dense = (grad.lower(*args, sebp).compile() for sebp in (True, False))
+      if num_embeddings == 48:
+        assert collective_counts(sebp) == collective_counts(dense)
+      else:  # The dense step sums a table; nothing that large crosses in the SEBP one.
+        assert max(size for _, size in collective_sizes(dense)) >= table.size * 4
+        assert max(size for _, size in collective_sizes(sebp)) < table.size * 4 // 2
+      poisoned = args[2].at[tuple(padding)].set(jnp.nan)
+      assert np.isnan(np.asarray(grad(*args[:2], poisoned, True))).all()
+
+
 def test_top_n_counts_per_shard():
   """An int top_n is each shard's capacity: enough for the fullest shard is exact even when
   the batch holds more real tokens; one fewer makes a host mask raise."""
