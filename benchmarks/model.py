@@ -931,6 +931,10 @@ def main(argv=None) -> list[dict]:
     parser.error("--processes must be positive")
   if args.pgle_runs < 0:
     parser.error("--pgle-runs must be 0 or more")
+  if (args.compiler_option or args.pgle_runs) and max(args.devices) == 1:
+    # One device's runs are the baseline that the options are measured against.
+    parser.error("--compiler-option and --pgle-runs apply to the runs on several devices, and "
+                 "--devices has none; for one device set XLA_FLAGS")
   if (args.process_id is None) != (args.coordinator is None):
     parser.error("--process-id and --coordinator go together")
   if args.process_id is None and args.processes > 1:

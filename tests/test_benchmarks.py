@@ -501,6 +501,15 @@ def test_compiler_options_parse_as_xla_values():
       harness.parse_compiler_option(text)
 
 
+def test_options_for_several_devices_refuse_a_one_device_run(capsys):
+  """--compiler-option and --pgle-runs leave one device's runs as they are (the baseline):
+  with no run on several devices they would do nothing, and say so."""
+  for extra in (["--compiler-option", "xla_gpu_graph_min_graph_size=1"], ["--pgle-runs", "2"]):
+    with pytest.raises(SystemExit):
+      model.main(["--tiny", "--model", "bert", "--devices", "1", *extra])
+    assert "apply to the runs on several devices" in capsys.readouterr().err
+
+
 def test_modes_take_a_backend_of_their_own():
   assert model.parse_modes("dense,sebp_auto@pallas,sebp_auto") == [
       "dense", "sebp_auto@pallas", "sebp_auto"]
