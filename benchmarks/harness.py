@@ -140,8 +140,11 @@ def launch_processes(module: str, num_processes: int, argv: list[str]) -> None:
 
 
 def record(**fields) -> dict:
-  """One measurement, with the device and jax version it was taken on."""
-  return {**fields, "device": jax.devices()[0].device_kind, "jax_version": jax.__version__}
+  """One measurement, with the device and jax version it was taken on, and the XLA_FLAGS
+  (when set) that every compile took."""
+  flags = {"xla_flags": os.environ["XLA_FLAGS"]} if os.environ.get("XLA_FLAGS") else {}
+  return {**fields, **flags, "device": jax.devices()[0].device_kind,
+          "jax_version": jax.__version__}
 
 
 def append_json_lines(path: str | pathlib.Path | None, records: Iterable[dict]) -> None:

@@ -501,6 +501,13 @@ def test_compiler_options_parse_as_xla_values():
       harness.parse_compiler_option(text)
 
 
+def test_records_carry_the_xla_flags_they_ran_under(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+  assert harness.record(step_ms=1.0)["xla_flags"] == "--xla_gpu_enable_command_buffer="
+  monkeypatch.delenv("XLA_FLAGS")
+  assert "xla_flags" not in harness.record(step_ms=1.0)
+
+
 def test_options_for_several_devices_refuse_a_one_device_run(capsys):
   """--compiler-option and --pgle-runs leave one device's runs as they are (the baseline):
   with no run on several devices they would do nothing, and say so."""
