@@ -286,6 +286,9 @@ class use_sebp(SEBPContext):
         return model_families.run_attention(
             self._region_family, module, args, kwargs,
             functools.partial(packed_attention, layout=self._layout, method=self.attention))
+      if (self._layout.shards is not None and self.embeddings
+          and isinstance(module, nn.Embed) and self.skip_reason(module) is None):
+        return self._packed_lookup(module, args, kwargs)
       return next_fun(*args, **kwargs)
     family = model_families.region_family(module)
     if family is not None:
@@ -315,6 +318,18 @@ class use_sebp(SEBPContext):
         return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
                                head)
     return _NOT_PACKED
+
+  def _packed_lookup(self, module: nn.Embed, args, kwargs) -> jax.Array:
+    """A region's lookup of the packed tokens, split over devices: every slot kept, so that
+    where the shards' rows weigh less than the table, its gradient comes from them gathered
+    (:func:`sebp_jax.sebp_embed_lookup`) rather than from the shards' tables summed."""
+    (ids,) = args or (kwargs["inputs"],)
+    record(self.report.embeddings, module_path(module))
+    shards = self._layout.shards
+    looked_up = sebp_embed_call(module, jnp.reshape(ids, (-1,)), top_n="auto", threshold=0.0,
+                                overflow="exact", active_rows=None, row_log=None,
+                                batch_axes=shards.axes, mesh=shards.mesh)
+    return jnp.reshape(looked_up, (*jnp.shape(ids), looked_up.shape[-1]))
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     if self._layout is not None:

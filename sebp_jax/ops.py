@@ -348,16 +348,18 @@ def _lookup_grads(config: _LookupConfig, table_shape, rows, whole):
                                  num_embeddings=table_shape[0]),)
 
 
-def _gathers_kept_rows(config: _LookupConfig, num_embeddings: int, ids: Array,
-                       active_rows: Array | None) -> bool:
-  """Whether the shards' kept rows of dY, gathered, cross devices in fewer bytes than the
-  table's gradient summed. Over n shards of K kept rows each, an all-reduce of a V-row table
-  sends 2(n-1)/n·V rows from each device and a gather (n-1)·K, fewer when n·K < 2V; asking
-  n·K <= V leaves room for the ids and for the scatter every device then runs."""
-  shards = config.sharding.num_shards
-  candidates = (ids.size if active_rows is None else active_rows.shape[0]) // shards
-  return shards * embedding_kept_count(candidates, config.top_n,
-                                       config.overflow) <= num_embeddings
+def _gathers_kept_rows(sharding: RowSharding | None, top_n: int | str, overflow: str,
+                       num_embeddings: int, num_candidates: int) -> bool:
+  """Whether the shards' kept rows of dY (of ``num_candidates`` in all), gathered, cross
+  devices in fewer bytes than the table's gradient summed. Over n shards of K kept rows
+  each, an all-reduce of a V-row table sends 2(n-1)/n·V rows from each device and a gather
+  (n-1)·K, fewer when n·K < 2V; asking n·K <= V leaves room for the ids and for the scatter
+  every device then runs."""
+  if sharding is None:
+    return False
+  shards = sharding.num_shards
+  return shards * embedding_kept_count(num_candidates // shards, top_n,
+                                       overflow) <= num_embeddings
 
 
 def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
@@ -365,7 +367,8 @@ def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
   # The gradient needs the table's shape, none of its values.
   if config.sharding is None:
     _, (d_table,) = _lookup_grads(config, table.shape, (ids, dy, active_rows), ())
-  elif _gathers_kept_rows(config, table.shape[0], ids, active_rows):
+  elif _gathers_kept_rows(config.sharding, config.top_n, config.overflow, table.shape[0],
+                          ids.size if active_rows is None else active_rows.shape[0]):
     d_table = gather_row_shards(
         functools.partial(_kept_rows, config, table.shape),
         functools.partial(scatter_into_table, num_embeddings=table.shape[0]),
@@ -398,11 +401,12 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
     top_n, threshold, overflow, active_rows, row_log, batch_axes, mesh: as for
       :func:`sebp_linear` (rows of dY
       flattened to ``[T, F]``), except that ``"exact"`` and ``"auto"`` scatter every active
-      row at once, with no run-time branch. Where that keeps every non-zero row (no index,
-      no threshold, no log, no cast), the plain lookup runs, with autodiff's backward. With
-      the rows split over devices, each shard's kept rows of dY and their ids are gathered
-      to every device, which scatters them into the table, where that moves fewer bytes
-      than summing the shards' tables (all shards' kept rows at most the table's rows).
+      row at once, with no run-time branch. With the rows split over devices, each
+      shard's kept rows of dY and their ids are gathered to every device, which scatters
+      them into the table, where that moves fewer bytes than summing the shards' tables
+      (all shards' kept rows at most the table's rows). Otherwise, where the backward would
+      keep every non-zero row (no index, no threshold, no log, no cast), the plain lookup
+      runs, with autodiff's backward.
     dtype: the compute dtype, as ``nn.Embed``'s ``dtype``: the table is cast to it for the
       lookup (None: no cast); its gradient comes back in the table's own dtype, rounded once
       from the float32 sums.
@@ -423,9 +427,11 @@ def sebp_embed_lookup(table: Array, ids: Array, *, top_n: int | str = "auto",
                                      sharding.num_shards if sharding else 1)
   keeps_every_row = top_n == "auto" or overflow == "exact" or top_n >= ids.size
   # The plain lookup where it keeps the same rows; not across a cast, where autodiff would
-  # round the table's gradient in the compute dtype first.
+  # round the table's gradient in the compute dtype first, nor where the shards' rows cross
+  # devices in fewer bytes than the table would.
   if (active_rows is None and threshold == 0 and row_log is None and keeps_every_row
-      and (dtype is None or jnp.dtype(dtype) == table.dtype)):
+      and (dtype is None or jnp.dtype(dtype) == table.dtype)
+      and not _gathers_kept_rows(sharding, top_n, overflow, table.shape[0], ids.size)):
     return _lookup(table, ids, dtype)
   table, ids, active_rows = vary_alike(table, ids, active_rows, dtype=dtype)
   return _sebp_lookup(table, ids, active_rows,
