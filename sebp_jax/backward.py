@@ -16,7 +16,8 @@ Each backward takes the output gradient flattened to ``dy: [T, F]`` and
    every count, with no branch;
 3. computes the gradients from the kept rows alone: :func:`linear_backward` through the
    implementation that :func:`sebp_jax.cost_model.choose_implementation` picks,
-   :func:`embedding_backward` by a scatter of the kept rows into the table.
+   :func:`embedding_rows` and :func:`scatter_into_table` by a scatter of the kept rows into
+   the table.
 
 Whatever the capacity, the gradient is that of the same rows: the kept set depends on dY, the
 threshold and the index, never on the shapes (except where ``overflow="drop"`` drops rows).
@@ -305,17 +306,22 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
       that ``"exact"`` and ``"auto"`` keep every active row (:func:`embedding_kept_count`).
 
   Returns:
-    ``(kept_ids, kept_dy, poison)``: ``int32[K]`` ids (the out-of-range ``num_embeddings``
-    in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and None or a
-    float32 ``[1]`` that is NaN where the gradient must be (a NaN/Inf in a skipped row, an
-    overflow under ``"nan"``), else 0.
+    ``(kept_ids, kept_dy, poison)``: ids, at least int32 (the out-of-range
+    ``num_embeddings`` in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and
+    None or a float32 ``[1]`` that is NaN where the gradient must be (a NaN/Inf in a skipped
+    row, an overflow under ``"nan"``), else 0. Where every row is kept and none selected
+    (no index, no threshold, no log), they are ``ids`` and ``dy`` themselves.
   """
   num_rows = dy.shape[0]
   if num_rows == 0:  # No rows: nothing to gather from.
     return jnp.zeros((0,), jnp.int32), jnp.zeros((0, dy.shape[1]), dy.dtype), None
-  dy = first_order_only(dy)
+  ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
   num_candidates = num_rows if active_rows is None else active_rows.shape[0]
   capacity = embedding_kept_count(num_candidates, top_n, overflow)
+  if active_rows is None and threshold == 0 and capacity == num_rows and row_log is None:
+    # Every row kept, none selected: the lookup's own backward, exact to any order.
+    return ids, dy, None
+  dy = first_order_only(dy)
   if overflow == "drop" and active_rows is None and capacity < num_rows:
     statistics = row_statistics(dy, threshold)
     rows = select_from_scores(statistics.scores, statistics.active, capacity)
@@ -332,9 +338,8 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
   if row_log is not None:
     _record(row_log, statistics, rows_mask(rows, num_rows), count, jnp.int32(rows.shape[0]))
   # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
-  # are widened first so that the sentinel fits their dtype (int8 / uint8 ids).
-  ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
-  kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings).astype(jnp.int32)
+  # were widened first so that the sentinel fits their dtype (int8 / uint8 ids).
+  kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings)
   poison = None if poison is None else jnp.reshape(poison, (1,)).astype(jnp.float32)
   return kept_ids, gather_rows(dy, rows), poison
 
@@ -351,13 +356,28 @@ def scatter_into_table(kept_ids: Array, kept_dy: Array, poison: Array | None, *,
       kept_dy.astype(accumulate), mode="drop")
 
 
-def embedding_backward(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | str,
-                       threshold: float = 0.0, overflow: str = "exact",
-                       active_rows: Array | None = None, row_log=None) -> Array:
-  """The gradient of ``table[ids]`` with respect to the table, from the kept rows of dY
-  (:func:`embedding_rows`, then :func:`scatter_into_table`; arguments as there)."""
-  return scatter_into_table(
-      *embedding_rows(ids, dy, num_embeddings=num_embeddings, top_n=top_n,
-                      threshold=threshold, overflow=overflow, active_rows=active_rows,
-                      row_log=row_log),
-      num_embeddings=num_embeddings)
+def sum_rows_of_equal_ids(ids: Array, rows: Array, *,
+                          num_embeddings: int) -> tuple[Array, Array]:
+  """``(ids, sums)``: ``rows`` (``[K, F]``) summed per id in the accumulation dtype, in an order
+  fixed by the ids alone, each sum in the last slot of its id (the slots sorted by id), every
+  other slot given an out-of-range id of its own. A scatter-add of them touches each row of
+  the table once, so it gives the same table wherever it runs; a scatter-add of repeated ids
+  is free to add them in any order, and on a GPU its atomic adds do, differently from one
+  device to the next."""
+  accumulate = accumulation_dtype(rows.dtype)
+  # One id per row of the table: negative ids wrapped, as the scatter would, and ids out of
+  # [-num_embeddings, num_embeddings) made the one the scatter drops.
+  in_range = (ids >= -num_embeddings) & (ids < num_embeddings)
+  ids = jnp.where(in_range, jnp.where(ids < 0, ids + num_embeddings, ids), num_embeddings)
+  order = jnp.argsort(ids, stable=True)
+  ids, rows = ids[order], rows[order].astype(accumulate)
+  starts = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
+
+  def add_within_ids(earlier, later):  # A segmented sum: a new id starts over.
+    (earlier_starts, earlier_sums), (later_starts, later_sums) = earlier, later
+    return (earlier_starts | later_starts,
+            jnp.where(later_starts[:, None], later_sums, earlier_sums + later_sums))
+
+  _, sums = lax.associative_scan(add_within_ids, (starts, rows))
+  ends = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones((1,), bool)])
+  return jnp.where(ends, ids, num_embeddings + jnp.arange(ids.size, dtype=ids.dtype)), sums

@@ -138,14 +138,16 @@ class use_sebp(SEBPContext):
     batch_axes: the mesh axes that split the batch (the first dimension of ``active_mask``
       and of the layers' inputs) when the step is sharded over several devices on a mesh of
       ``Auto`` axes; under ``Explicit`` axes the arrays' types say it, and this may be left
-      out. Each shard then selects among its own rows, with no collective the dense step
-      does not have (:mod:`sebp_jax.sharding`), and ``top_n`` counts per shard: an int is
+      out. Each shard then selects among its own rows, with the dense step's collectives
+      (:mod:`sebp_jax.sharding`) but for an embedding table with more rows than all shards
+      keep, whose gradient comes from those rows, gathered, in place of the shards' tables
+      summed; ``top_n`` counts per shard: an int is
       each shard's capacity, a fraction is of each shard's rows, ``"auto"`` takes the rung
       that holds the fullest shard's real tokens (from a concrete mask), or each shard its
       own at run time. With ``packed``, each shard packs its own rows into ``top_n`` slots
       of its own (:func:`sebp_jax.token_capacity` with ``num_shards``), and its attention,
       gathers and scatters run on its device (``jax.shard_map``): the step's collectives
-      are the dense step's.
+      are the dense step's, the word table's rows aside.
     mesh: the mesh of ``batch_axes``; None: the one entered with ``jax.set_mesh``.
     require_swaps: raise when the context ends without having swapped any layer, with an
       ``include`` of one's own that matched no Dense layer (the sign of an already-compiled
@@ -322,9 +324,9 @@ class use_sebp(SEBPContext):
   def _packed_lookup(self, module: nn.Embed, args, kwargs) -> jax.Array:
     """A region's lookup of the packed tokens, split over devices: every slot kept, so that
     where the shards' rows weigh less than the table, its gradient comes from them gathered
-    (:func:`sebp_jax.sebp_embed_lookup`) rather than from the shards' tables summed."""
+    (:func:`sebp_jax.sebp_embed_lookup`) rather than from the shards' tables summed. Part of
+    the packed region, it is not listed apart in the report."""
     (ids,) = args or (kwargs["inputs"],)
-    record(self.report.embeddings, module_path(module))
     shards = self._layout.shards
     looked_up = sebp_embed_call(module, jnp.reshape(ids, (-1,)), top_n="auto", threshold=0.0,
                                 overflow="exact", active_rows=None, row_log=None,

@@ -36,7 +36,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from sebp_jax.backward import (OVERFLOW_MODES, embedding_kept_count, embedding_rows,
-                               linear_backward, scatter_into_table)
+                               linear_backward, scatter_into_table, sum_rows_of_equal_ids)
 from sebp_jax.implementations import implementation_names
 from sebp_jax.sharding import (RowSharding, gather_row_shards, map_row_shards,
                                normalize_batch_axes, row_sharding, vary_alike)
@@ -348,13 +348,21 @@ def _lookup_grads(config: _LookupConfig, table_shape, rows, whole):
                                  num_embeddings=table_shape[0]),)
 
 
+def _table_from_gathered_rows(kept_ids, kept_dy, poison, *, num_embeddings: int):
+  """The table's gradient from every shard's kept rows, the same on every device."""
+  return scatter_into_table(*sum_rows_of_equal_ids(kept_ids, kept_dy,
+                                                   num_embeddings=num_embeddings),
+                            poison, num_embeddings=num_embeddings)
+
+
 def _gathers_kept_rows(sharding: RowSharding | None, top_n: int | str, overflow: str,
                        num_embeddings: int, num_candidates: int) -> bool:
   """Whether the shards' kept rows of dY (of ``num_candidates`` in all), gathered, cross
   devices in fewer bytes than the table's gradient summed. Over n shards of K kept rows
   each, an all-reduce of a V-row table sends 2(n-1)/n·V rows from each device and a gather
-  (n-1)·K, fewer when n·K < 2V; asking n·K <= V leaves room for the ids and for the scatter
-  every device then runs."""
+  (n-1)·K rows and their ids, fewer when n·K < 2V; asking n·K <= V leaves room for the ids
+  and for the sort and scatter every device then runs. A table split by rows is summed by a
+  reduce-scatter, (n-1)/n·V rows: there n·K <= V is about even."""
   if sharding is None:
     return False
   shards = sharding.num_shards
@@ -371,8 +379,8 @@ def _sebp_lookup_bwd(config: _LookupConfig, residuals, dy):
                           ids.size if active_rows is None else active_rows.shape[0]):
     d_table = gather_row_shards(
         functools.partial(_kept_rows, config, table.shape),
-        functools.partial(scatter_into_table, num_embeddings=table.shape[0]),
-        config.sharding, rows=(ids, dy, active_rows))
+        functools.partial(_table_from_gathered_rows, num_embeddings=table.shape[0]),
+        config.sharding, rows=(ids, dy, active_rows), like=table)
   else:
     _, (d_table,) = map_row_shards(
         functools.partial(_lookup_grads, config, table.shape), config.sharding,

@@ -15,10 +15,10 @@ that split the batch:
   a reduce-scatter for one sharded FSDP-style. The partial sums cross devices in the compute
   dtype, as the dense backward's do (bfloat16 for a float32 weight used in bfloat16: half the
   bytes of float32), and the total is cast to the parameter's dtype after;
-* except an embedding table's gradient where all shards' kept rows are fewer than the
+* except an embedding table's gradient where all shards' kept rows are at most the
   table's: each shard's kept rows of dY and their ids are gathered to every device, which
-  scatters them into the table itself (:func:`gather_row_shards`), moving those rows where a
-  sum would move the table;
+  sums them per id in a fixed order and scatters the sums into the table itself
+  (:func:`gather_row_shards`), moving those rows where a sum would move the table;
 * parameters enter whole (replicated), as the dense backward needs them for dX.
 
 A step may instead be written per device, its loss in a ``jax.shard_map`` whose every device
@@ -233,7 +233,7 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
 
 
 def gather_row_shards(select: Callable, combine: Callable, sharding: RowSharding,
-                      rows: tuple[Array | None, ...]) -> Array:
+                      rows: tuple[Array | None, ...], like: Array | None = None) -> Array:
   """``combine`` of every shard's ``select``-ed pieces, the same on every device.
 
   Args:
@@ -242,20 +242,26 @@ def gather_row_shards(select: Callable, combine: Callable, sharding: RowSharding
     combine: ``combine(*pieces) -> result`` on every shard's pieces, joined.
     sharding: how ``rows`` are split.
     rows: arrays split along their first dimension (None passes through).
+    like: the array whose sharding the result takes under ``Explicit`` axes (a parameter,
+      for its gradient).
 
   Returns:
     ``combine``'s result, whole on every device: each device gathers the pieces (an
-    all-gather, where :func:`map_row_shards` sums partial results) and combines them itself.
+    all-gather, where :func:`map_row_shards` sums partial results) and combines them itself,
+    which must then give the same result on every device.
   """
   def block(rows):
     pieces = tuple(None if p is None else jax.lax.all_gather(p, sharding.axes, tiled=True)
                    for p in select(rows))
     return combine(*pieces)
 
-  return jax.shard_map(
+  result = jax.shard_map(
       block, mesh=sharding.mesh, in_specs=(P(sharding.axes),), out_specs=P(),
       axis_names=frozenset(sharding.axes), check_vma=False,
   )(tuple(sharding.split_rows(r) for r in rows))
+  if sharding.explicit and like is not None:
+    result = jax.sharding.reshard(result, jax.typeof(like).sharding.spec)
+  return result
 
 
 def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int) -> Array:

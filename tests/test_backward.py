@@ -12,7 +12,7 @@ from jax.extend.core import jaxprs_in_params
 
 from sebp_jax import RowLog, cost_model
 from sebp_jax import backward as backward_module
-from sebp_jax.backward import (capacities, embedding_backward, linear_backward,
+from sebp_jax.backward import (capacities, embedding_rows, linear_backward, scatter_into_table,
                                nan_if_not_finite)
 from sebp_jax.selection import capacity_ladder
 from tests.model_testing import branches
@@ -20,6 +20,12 @@ from tests.reference import (random_sparse_rows, reference_active_rows, referenc
                              reference_table_grad, relative_error)
 
 NUM_ROWS = 64
+
+
+def _table_gradient(ids, dy, *, num_embeddings, **options):
+  """The embedding backward as the op runs it on one device: the kept rows, scattered."""
+  return scatter_into_table(*embedding_rows(ids, dy, num_embeddings=num_embeddings, **options),
+                            num_embeddings=num_embeddings)
 
 
 def _problem(seed, num_nonzero=9, num_rows=NUM_ROWS, in_features=16, out_features=24):
@@ -164,7 +170,8 @@ def _passes_over_rows(jaxpr) -> int:
 @pytest.mark.parametrize("logged", [False, True])
 def test_dy_is_scored_once_per_backward(options, logged):
   """The selection (candidates, largest rows, the NaN check of an index's skipped rows) and
-  the row log share one pass over dY's rows."""
+  the row log share one pass over dY's rows; an embedding that keeps every row unselected
+  (no index, no threshold, no log) makes none."""
   options = dict(options)
   index = jnp.arange(0, NUM_ROWS, 2, dtype=jnp.int32) if options.pop("index", False) else None
   x, kernel, dy = _problem(7, num_nonzero=20)
@@ -173,10 +180,11 @@ def test_dy_is_scored_once_per_backward(options, logged):
       x, kernel, dy, with_bias=True, backend="xla", active_rows=index, row_log=row_log,
       **options)
   assert _passes_over_rows(jax.make_jaxpr(backward)(x, kernel, dy).jaxpr) == 1
-  embed = lambda dy: embedding_backward(  # noqa: E731
+  embed = lambda dy: _table_gradient(  # noqa: E731
       jnp.arange(NUM_ROWS) % 5, dy, num_embeddings=5, active_rows=index, row_log=row_log,
       **options)
-  assert _passes_over_rows(jax.make_jaxpr(embed)(dy).jaxpr) == 1
+  unselected = index is None and options == dict(top_n="auto") and not logged
+  assert _passes_over_rows(jax.make_jaxpr(embed)(dy).jaxpr) == (0 if unselected else 1)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -289,7 +297,7 @@ def test_embedding_backward_scatters_the_kept_rows(options):
   rng = np.random.default_rng(8)
   ids = jnp.asarray(rng.integers(0, 7, 30), jnp.int8)
   dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 12), jnp.bfloat16)
-  d_table = embedding_backward(ids, dy, num_embeddings=7, **options)
+  d_table = _table_gradient(ids, dy, num_embeddings=7, **options)
   assert d_table.dtype == jnp.float32 and d_table.shape == (7, 4)
   top_n = 8 if options.get("overflow") == "drop" else 30
   rows = reference_active_rows(dy, top_n, options.get("threshold", 0.0))
@@ -302,13 +310,13 @@ def test_embedding_backward_with_an_index():
   ids = jnp.asarray(rng.integers(0, 7, 30), jnp.int32)
   dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 30))
   index = jnp.array([0, 1, 30], jnp.int32)
-  d_table = embedding_backward(ids, dy, num_embeddings=7, top_n=3, active_rows=index)
+  d_table = _table_gradient(ids, dy, num_embeddings=7, top_n=3, active_rows=index)
   np.testing.assert_allclose(d_table, reference_table_grad(7, np.asarray(ids), dy, [0, 1]),
                              rtol=1e-6, atol=1e-6)
-  poisoned = embedding_backward(ids, dy.at[20, 0].set(jnp.nan), num_embeddings=7, top_n=3,
+  poisoned = _table_gradient(ids, dy.at[20, 0].set(jnp.nan), num_embeddings=7, top_n=3,
                                 active_rows=index)
   assert np.all(np.isnan(poisoned))
-  overflowed = embedding_backward(ids, dy, num_embeddings=7, top_n=1, overflow="nan",
+  overflowed = _table_gradient(ids, dy, num_embeddings=7, top_n=1, overflow="nan",
                                   active_rows=index)
   assert np.all(np.isnan(overflowed))
 
@@ -318,6 +326,6 @@ def test_empty_batches_with_an_index():
   dx, dkernel, _ = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),
                                    top_n=2, active_rows=index, with_bias=True)
   assert dx.shape == (0, 3) and not np.any(dkernel)
-  d_table = embedding_backward(jnp.zeros((0,), jnp.int32), jnp.ones((0, 2)), num_embeddings=4,
+  d_table = _table_gradient(jnp.zeros((0,), jnp.int32), jnp.ones((0, 2)), num_embeddings=4,
                                top_n=2, active_rows=index)
   assert d_table.shape == (4, 2) and not np.any(d_table)

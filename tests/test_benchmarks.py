@@ -501,6 +501,26 @@ def test_compiler_options_parse_as_xla_values():
       harness.parse_compiler_option(text)
 
 
+def test_gathered_rows_benchmark_records_both_combines(tmp_path):
+  """Each combine of each row set, recorded; the rows summed per id give the same table in
+  every run (on CPUs a scatter-add does too: there the check has nothing to catch) and the
+  float64 sum's table."""
+  from benchmarks import gathered_rows
+  out = tmp_path / "rows.jsonl"
+  records = gathered_rows.main(["--tables", "5000x16", "--runs", "3", "--out", str(out)])
+  assert [(r["combine"], r["rows"]) for r in records] == [
+      (name, rows) for rows, _ in gathered_rows.ROW_SETS
+      for name in ("summed_per_id", "scatter_add")]
+  assert len(out.read_text().splitlines()) == len(records)
+  for r in records:
+    assert len(r["differing_elements"]) == 2 and r["max_abs_error_vs_float64"] < 1e-5
+    assert r["call_ms"] > 0 and r["distinct_ids"] > 1
+    if r["combine"] == "summed_per_id":
+      assert r["differing_elements"] == [0, 0]
+  with pytest.raises(SystemExit):
+    gathered_rows.main(["--runs", "1"])
+
+
 def test_records_carry_the_xla_flags_they_ran_under(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
   assert harness.record(step_ms=1.0)["xla_flags"] == "--xla_gpu_enable_command_buffer="

@@ -81,8 +81,8 @@ def _loss(model, kind, capacity=None, sebp=None):
 @pytest.mark.parametrize("kind,layout,attention", [
     ("bert", "right", "rows"), ("llama", "right", "mask"), ("llama", "right", "rows"),
     ("llama", "left", "rows"), ("llama", "holes", "mask")])
-def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives(models, kind, layout,
-                                                                      attention):
+def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives_but_the_table(
+    models, kind, layout, attention):
   """One device's loss and gradient; the dense step's collectives, but for the word table,
   looked up on the batch's rows (BERT's) or on the packed tokens (Llama's), whose gradient
   comes from the devices' rows, gathered."""

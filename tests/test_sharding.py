@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
 from sebp_jax import nnx as sebp_nnx
+from sebp_jax.backward import scatter_into_table, sum_rows_of_equal_ids
 from sebp_jax.losses import causal_lm_target_count, linear_cross_entropy, masked_causal_lm_loss
 from sebp_jax.sharding import (collective_counts, collective_sizes, fsdp_loss, fsdp_specs,
                                row_sharding, shard_row_counts, split_table_lookup)
@@ -253,9 +254,10 @@ def test_ops_select_per_shard(axis_type, backend):
 def test_embedding_gradient_gathers_the_kept_rows_where_fewer_bytes(num_embeddings):
   """4 shards of 24 kept rows (an Auto mesh: under Explicit axes a lookup of split ids needs
   an out_sharding, dense or not): a table of 400 rows gets its gradient from the 96 kept rows
-  of dY gathered to every device (all-gathers, no all-reduce), one of 48 as the sum of each
-  shard's scatter (an all-reduce); one device's gradient either way, the table whole or split
-  by rows. A NaN in one shard's skipped row makes every element NaN."""
+  of dY gathered to every device (all-gathers; no all-reduce for a table kept whole), one of
+  48 as the sum of each shard's scatter (an all-reduce); one device's gradient either way,
+  the table whole or split by rows. A NaN in one shard's skipped row makes every element
+  NaN."""
   keys = jax.random.split(jax.random.key(7), 3)
   ids = jax.random.randint(keys[0], (BATCH, LENGTH), 0, num_embeddings)
   table = jax.random.normal(keys[1], (num_embeddings, FEATURES))
@@ -289,8 +291,72 @@ def test_embedding_gradient_gathers_the_kept_rows_where_fewer_bytes(num_embeddin
       else:  # The dense step sums a table; nothing that large crosses in the SEBP one.
         assert max(size for _, size in collective_sizes(dense)) >= table.size * 4
         assert max(size for _, size in collective_sizes(sebp)) < table.size * 4 // 2
+        assert ("all-reduce" in collective_counts(sebp)) == (table_spec != P())
       poisoned = args[2].at[tuple(padding)].set(jnp.nan)
       assert np.isnan(np.asarray(grad(*args[:2], poisoned, True))).all()
+
+
+def test_gathered_rows_give_the_table_on_explicit_axes_and_to_second_order():
+  """The gathered rows' table takes the parameter's own sharding under Explicit axes (a
+  2x2 mesh, the table split by features, the ids split over "data" by batch_axes); and with
+  every row kept and none selected the lookup's gradient is differentiable again (a
+  Hessian-vector product equals the dense lookup's), gathered or not."""
+  keys = jax.random.split(jax.random.key(11), 4)
+  ids = jax.random.randint(keys[0], (BATCH, LENGTH), -400, 400)
+  table = jax.random.normal(keys[1], (400, 8))
+  mask = _mask(2)
+  weights = jax.random.normal(keys[2], (BATCH, LENGTH, 8)) * mask[..., None]
+  tangent = jax.random.normal(keys[3], table.shape)
+  top_n = token_capacity(mask, multiple=1, num_shards=2)  # The fullest shard's real rows.
+  assert top_n < BATCH * LENGTH // 2
+
+  def loss(table, lookup):
+    return jnp.sum(jnp.sin(lookup(table)) * weights)
+
+  dense = lambda t: jnp.take(t, ids, axis=0)  # noqa: E731
+  want = jax.grad(loss)(table, dense)
+  mesh = _mesh(AxisType.Explicit, shape=(2, 2), names=("data", "model"))
+  with jax.set_mesh(mesh):
+    split = _put(table, mesh, P(None, "model"))
+    sebp = lambda t: sebp_embed_lookup(t, ids, top_n=top_n, overflow="nan",  # noqa: E731
+                                       batch_axes="data")
+    got = jax.jit(jax.grad(loss), static_argnums=1)(split, sebp)
+  assert got.sharding.spec == P(None, "model")
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+
+  def hvp(lookup):
+    return jax.jvp(lambda t: jax.grad(loss)(t, lookup), (table,), (tangent,))[1]
+
+  want_hvp = hvp(dense)
+  for rows in (400, 40):  # Gathered, and summed over the shards.
+    mesh = _mesh(AxisType.Auto)
+    with jax.set_mesh(mesh):
+      lookup = lambda t, rows=rows: sebp_embed_lookup(  # noqa: E731
+          t[:rows], jnp.where(ids % rows == ids, ids, 0), batch_axes="data")
+      dense_rows = lambda t, rows=rows: jnp.take(  # noqa: E731
+          t[:rows], jnp.where(ids % rows == ids, ids, 0), axis=0)
+      np.testing.assert_allclose(jax.jit(hvp, static_argnums=0)(lookup), hvp(dense_rows),
+                                 rtol=2e-5, atol=1e-5)
+  assert np.abs(want_hvp).max() > 0
+
+
+def test_rows_summed_per_id_scatter_each_row_of_the_table_once():
+  """The gathered rows summed per id (repeats, negative and out-of-range ids, the sentinel):
+  every id the scatter keeps is distinct, and the table is the float64 sum of the rows."""
+  rng = np.random.default_rng(12)
+  ids = np.concatenate([rng.integers(-10, 10, 60), [10, 10, -11, 25, 3]]).astype(np.int32)
+  rows = rng.normal(size=(ids.size, 5)).astype(np.float32)
+  summed_ids, sums = sum_rows_of_equal_ids(jnp.asarray(ids), jnp.asarray(rows),
+                                           num_embeddings=10)
+  kept = np.asarray(summed_ids)[np.asarray(summed_ids) < 10]
+  assert len(set(kept.tolist())) == kept.size == len(set((ids[(ids >= -10) & (ids < 10)]
+                                                          % 10).tolist()))
+  want = np.zeros((10, 5))
+  for i, row in zip(ids, rows.astype(np.float64)):
+    if -10 <= i < 10:
+      want[i % 10] += row
+  table = scatter_into_table(summed_ids, sums, None, num_embeddings=10)
+  np.testing.assert_allclose(table, want, rtol=1e-5, atol=1e-5)
 
 
 def test_top_n_counts_per_shard():
