@@ -106,7 +106,7 @@ def main(argv=None) -> dict:
   dev["labels"] = np.array([label for _, label in dev_sentences], np.int32)
   train_batches = load_train_batches(tokenizer, args)
 
-  # Each batch packs into the smallest of four capacities that holds it, picked on the host:
+  # Each batch packs into the smallest of at most four capacities that holds it, picked on the host:
   # static, so exact, and at most four compiles of the step.
   capacities = run_capacities(train_batches, num_shards=args.devices)
   real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]

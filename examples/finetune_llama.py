@@ -61,7 +61,7 @@ def _add_lm_head_flag(parser):
                       help="fill each batch with as many paragraphs (up to --batch-size) as "
                            "fit this many tokens (sebp_jax.token_budget_batches): one "
                            "capacity, one compile for the run; None: --batch-size "
-                           "paragraphs a batch, in one of four capacities")
+                           "paragraphs a batch, in one of at most four capacities")
 
 
 def make_loss(model, lm_head: bool, packed: bool, row_log: RowLog | None = None):
@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
   model, initial_params, tokenizer = load_smollm2()
   train_batches = load_train_batches(tokenizer, args)
 
-  # Each batch in the smallest of four capacities that holds it, or in the token budget that
+  # Each batch in the smallest of at most four capacities that holds it, or in the token budget that
   # filled it, picked on the host: static, so exact, and at most four compiles of the step
   # (one with a budget).
   capacities = ([args.token_budget] * len(train_batches) if args.token_budget

@@ -17,9 +17,9 @@ in two steps:
    tile loops run over the count read from device memory: dX's grid covers
    ``ceil(count / block_m)`` row tiles, dW's reduction ``ceil(count / block_k)`` steps.
 
-Every slot from the count up to the end of its copy block is written as zero rows (plus the
-poison), so the matmuls read only finite rows and a NaN poison reaches dW and db even at count 0
-(the first block is always copied). Slots past that are never written nor read.
+Every slot from the count up to the end of its copy block is written as zero rows, so the
+matmuls read only finite rows; the first block is always copied, so that db's sums exist at
+count 0. Slots past that are never written nor read.
 
 jax's GPU interpreter (CPU) does not model a transposed ``wgmma`` operand, so interpreted runs
 feed ``kernel.T`` from memory where the compiled dX kernel reads ``kernel`` through
@@ -116,15 +116,15 @@ def supports_shapes(d: int, n: int, dtype, block_sizes: MosaicBlockSizes | None 
 # ---------------------------------------------------------------------------
 
 
-def _compact_rows_kernel(count_ref, active_rows_ref, poison_ref, src_ref, out_ref, *sums_ref,
+def _compact_rows_kernel(count_ref, active_rows_ref, src_ref, out_ref, *sums_ref,
                          copy_rows: int, block_cols: int, transpose: bool):
   """Copies rows ``active_rows[s]`` of ``src`` to slot s of ``out`` (its columns if
-  ``transpose``), plus the poison; slots past the count get the poison alone. With
-  ``sums_ref`` also the per-block column sums of what it wrote."""
+  ``transpose``); slots past the count get zeros. With ``sums_ref`` also the per-block column
+  sums of what it wrote."""
   row_block, col_block = pl.program_id(0), pl.program_id(1)
   num_src_rows = src_ref.shape[0]
 
-  # Block 0 always runs: a NaN poison must reach dW and db at count 0 too.
+  # Block 0 always runs: db reads its sums at count 0 too.
   @pl.when((row_block == 0) | (row_block * copy_rows < count_ref[0]))
   def _copy():
     slots = row_block * copy_rows + jnp.arange(copy_rows, dtype=jnp.int32)
@@ -133,7 +133,6 @@ def _compact_rows_kernel(count_ref, active_rows_ref, poison_ref, src_ref, out_re
     cols = col_block * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
     tile = pltriton.load(src_ref.at[jnp.where(live, rows, 0)[:, None], cols[None, :]],
                          mask=live[:, None], other=0.0)
-    tile = (tile.astype(jnp.float32) + poison_ref[0]).astype(out_ref.dtype)
     if transpose:
       pltriton.store(out_ref.at[cols[:, None], slots[None, :]], tile.T)
     else:
@@ -254,7 +253,7 @@ def _mosaic_kernel(body, out_type, interpret: bool):
       interpret=_interpret_params(interpret))
 
 
-def _compact(count, active_rows, poison, src, *, transpose: bool, with_sums: bool,
+def _compact(count, active_rows, src, *, transpose: bool, with_sums: bool,
              copy_rows: int, interpret: bool):
   num_slots = active_rows.shape[0]
   num_cols = src.shape[1]
@@ -271,7 +270,7 @@ def _compact(count, active_rows, poison, src, *, transpose: bool, with_sums: boo
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
       name="sebp_compact_rows_t" if transpose else "sebp_compact_rows",
-  )(count, active_rows, poison, src)
+  )(count, active_rows, src)
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +282,7 @@ def _compact(count, active_rows, poison, src, *, transpose: bool, with_sums: boo
                                              "block_sizes", "interpret"))
 def kept_rows_backward(
     x: jax.Array, kernel: jax.Array, dy: jax.Array, active_rows: jax.Array, *,
-    with_bias: bool, poison: jax.Array | None = None, dw_dtype=None, db_dtype=None,
+    with_bias: bool, dw_dtype=None, db_dtype=None,
     block_sizes: MosaicBlockSizes | None = None, interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The SEBP backward of ``y = x @ kernel + b`` at the rows ``active_rows`` lists.
@@ -295,8 +294,6 @@ def kept_rows_backward(
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the end with the
       sentinel ``T``; the count of listed rows is read on the device.
     with_bias: also return db.
-    poison: optional float32 scalar, 0 or NaN, added to every kept row of dy (as
-      ``backend="xla"`` does), so that a NaN reaches dx, dW and db.
     dw_dtype, db_dtype: dtypes of dW and db (None: x's and dy's).
     block_sizes: tiles; see ``MosaicBlockSizes`` (default: ``default_block_sizes``).
     interpret: run both backends' interpreters (CPU) instead of compiling.
@@ -320,9 +317,7 @@ def kept_rows_backward(
   active_rows = jnp.pad(active_rows.astype(jnp.int32),
                         (0, num_slots - active_rows.shape[0]), constant_values=num_rows)
   count = jnp.sum(active_rows < num_rows, dtype=jnp.int32).reshape(1)
-  poison = (jnp.zeros((1,), jnp.float32) if poison is None
-            else jnp.reshape(poison, (1,)).astype(jnp.float32))
-  copy = functools.partial(_compact, count, active_rows, poison, copy_rows=blocks.copy_rows,
+  copy = functools.partial(_compact, count, active_rows, copy_rows=blocks.copy_rows,
                            interpret=interpret)
   x_kept_t, = copy(x, transpose=True, with_sums=False)
   dy_kept, *block_sums = copy(dy, transpose=False, with_sums=with_bias)
@@ -354,15 +349,14 @@ def kept_rows_backward(
 # ---------------------------------------------------------------------------
 
 
-def kept_rows_backward_reference(x, kernel, dy, active_rows, *, with_bias: bool, poison=None):
+def kept_rows_backward_reference(x, kernel, dy, active_rows, *, with_bias: bool):
   """Reference for ``kept_rows_backward`` in float32: ``(dx_kept [K, D], dW, db or None)``,
   sentinel slots of dx_kept zero."""
-  start = jnp.float32(0) if poison is None else poison
-  dy_rows = dy.at[active_rows].get(mode="fill", fill_value=0).astype(jnp.float32) + start
+  dy_rows = dy.at[active_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
   x_rows = x.at[active_rows].get(mode="fill", fill_value=0).astype(jnp.float32)
   listed = (active_rows < x.shape[0])[:, None]
   dx = jnp.where(listed, jnp.dot(dy_rows, kernel.astype(jnp.float32).T,
                                  precision=lax.Precision.HIGHEST), 0)
-  dw = start + jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST)
-  db = start + jnp.sum(jnp.where(listed, dy_rows, 0), axis=0) if with_bias else None
+  dw = jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST)
+  db = jnp.sum(jnp.where(listed, dy_rows, 0), axis=0) if with_bias else None
   return dx, dw, db

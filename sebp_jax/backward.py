@@ -171,8 +171,8 @@ def _record(row_log, statistics: RowStatistics, kept: Array, count: Array | None
 
 def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
                     threshold: float = 0.0, overflow: str = "exact",
-                    active_rows: Array | None = None, backend: str = "auto",
-                    with_bias: bool, precision: Any = None, dkernel_dtype: Any = None,
+                    active_rows: Array | None = None, finite_x_rows: Array | None = None,
+                    backend: str = "auto", with_bias: bool, precision: Any = None, dkernel_dtype: Any = None,
                     row_log=None):
   """dX, dW and db of ``y = x @ kernel + b`` from the kept rows of dY.
 
@@ -185,6 +185,9 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     overflow: one of :data:`OVERFLOW_MODES`.
     active_rows: optional ``int32[K]`` index of the rows that may be active (sorted, padded
       with T), ``K >= 1``: the others count as inactive.
+    finite_x_rows: optional ``bool[T]``, whether each row of x is finite: a row that is not
+      and that the backward skips makes dW NaN, as jax.grad's dW = xᵀ·dY is, its 0 * Inf
+      (None: x is not checked).
     backend: ``"auto"`` or a registered implementation (:mod:`sebp_jax.implementations`).
     with_bias: whether to return db.
     precision: ``lax.Precision`` of the dots.
@@ -277,10 +280,30 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     dx, dkernel, dbias = lax.switch(branch, [functools.partial(run_at, c) for c in plan])
   if overflow == "nan" and poison is not None:
     dx = dx + poison.astype(dx.dtype)  # The rows left out are missing from dX as well.
+  kept = rows_mask(rows, num_rows) if active is None else active
+  if finite_x_rows is not None:
+    skipped_not_finite = jnp.any(~finite_x_rows & ~kept)
+    dkernel = dkernel + jnp.where(skipped_not_finite, jnp.nan, 0).astype(dkernel.dtype)
   if row_log is not None:
-    _record(row_log, statistics, rows_mask(rows, num_rows) if active is None else active,
-            count, capacity)
+    _record(row_log, statistics, kept, count, capacity)
   return dx, dkernel, dbias
+
+
+def table_row_ids(ids: Array, num_embeddings: int) -> Array:
+  """``int32`` row of a ``num_embeddings``-row table that each of ``ids`` reads: negative ids
+  wrapped, as numpy indexes, and ids out of ``[-num_embeddings, num_embeddings)`` made
+  ``num_embeddings``, the row past the end that a scatter drops. The bounds are compared in
+  the ids' own dtype first: ``num_embeddings`` cast to uint8 ids would wrap, and so would a
+  uint32 id of 2**31 or more cast to int32."""
+  ids = jnp.asarray(ids)
+  limits = jnp.iinfo(ids.dtype)
+  in_range = jnp.ones(ids.shape, bool)
+  if num_embeddings <= limits.max:
+    in_range = in_range & (ids < num_embeddings)
+  if -num_embeddings >= limits.min:
+    in_range = in_range & (ids >= -num_embeddings)
+  rows = jnp.where(in_range, ids, 0).astype(jnp.int32)  # In range: within int32.
+  return jnp.where(in_range, jnp.where(rows < 0, rows + num_embeddings, rows), num_embeddings)
 
 
 def embedding_kept_count(num_candidates: int, top_n: int | str, overflow: str) -> int:
@@ -306,16 +329,16 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
       that ``"exact"`` and ``"auto"`` keep every active row (:func:`embedding_kept_count`).
 
   Returns:
-    ``(kept_ids, kept_dy, poison)``: ids, at least int32 (the out-of-range
-    ``num_embeddings`` in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and
+    ``(kept_ids, kept_dy, poison)``: the rows' ids as :func:`table_row_ids` writes them
+    (``num_embeddings`` also in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and
     None or a float32 ``[1]`` that is NaN where the gradient must be (a NaN/Inf in a skipped
     row, an overflow under ``"nan"``), else 0. Where every row is kept and none selected
-    (no index, no threshold, no log), they are ``ids`` and ``dy`` themselves.
+    (no index, no threshold, no log), they are every row's id and ``dy`` itself.
   """
   num_rows = dy.shape[0]
   if num_rows == 0:  # No rows: nothing to gather from.
     return jnp.zeros((0,), jnp.int32), jnp.zeros((0, dy.shape[1]), dy.dtype), None
-  ids = ids.astype(jnp.promote_types(ids.dtype, jnp.int32))
+  ids = table_row_ids(ids, num_embeddings)
   num_candidates = num_rows if active_rows is None else active_rows.shape[0]
   capacity = embedding_kept_count(num_candidates, top_n, overflow)
   if active_rows is None and threshold == 0 and capacity == num_rows and row_log is None:
@@ -337,8 +360,7 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
       rows = rows[:capacity]
   if row_log is not None:
     _record(row_log, statistics, rows_mask(rows, num_rows), count, jnp.int32(rows.shape[0]))
-  # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops; the ids
-  # were widened first so that the sentinel fits their dtype (int8 / uint8 ids).
+  # Sentinel slots read the out-of-range id num_embeddings, which the scatter drops.
   kept_ids = jnp.take(ids, rows, mode="fill", fill_value=num_embeddings)
   poison = None if poison is None else jnp.reshape(poison, (1,)).astype(jnp.float32)
   return kept_ids, gather_rows(dy, rows), poison
@@ -365,10 +387,9 @@ def sum_rows_of_equal_ids(ids: Array, rows: Array, *,
   is free to add them in any order, and on a GPU its atomic adds do, differently from one
   device to the next."""
   accumulate = accumulation_dtype(rows.dtype)
-  # One id per row of the table: negative ids wrapped, as the scatter would, and ids out of
-  # [-num_embeddings, num_embeddings) made the one the scatter drops.
-  in_range = (ids >= -num_embeddings) & (ids < num_embeddings)
-  ids = jnp.where(in_range, jnp.where(ids < 0, ids + num_embeddings, ids), num_embeddings)
+  if ids.shape[0] == 0:
+    return jnp.zeros((0,), jnp.int32), rows.astype(accumulate)
+  ids = table_row_ids(ids, num_embeddings)  # One id per row of the table.
   order = jnp.argsort(ids, stable=True)
   ids, rows = ids[order], rows[order].astype(accumulate)
   starts = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])

@@ -16,7 +16,8 @@ for an implementation that keeps every row). It returns
 
 summed in :func:`accumulation_dtype` and rounded once: each matmul stores its own output
 dtype, since a cast of a float32 result would be a pass of its own. ``poison``, a float32
-scalar that is 0 or NaN (or None), must reach dkernel and dbias.
+scalar that is 0 or NaN (or None), must reach dkernel and dbias, and not dx (a NaN in a row
+left out is not the kept rows').
 
 Registered here:
 
@@ -155,15 +156,14 @@ def dense_backward(x, kernel, dy, active_rows=None, *, with_bias, precision=None
 
 def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
                  dkernel_dtype=None):
-  """The dense backward of the kept rows, dX spread back to all T rows."""
-  dy_kept = gather_rows(dy, active_rows)
+  """The dense backward of the kept rows, dX spread back to all T rows; ``poison`` added to
+  dW and db, which the rows left out would have reached, not to the kept rows' dX."""
+  dx_kept, dkernel, dbias = dense_backward(gather_rows(x, active_rows), kernel,
+                                           gather_rows(dy, active_rows), with_bias=with_bias,
+                                           precision=precision, dkernel_dtype=dkernel_dtype)
   if poison is not None:
-    # Added to the kept rows it fuses into their gather and reaches dW and db (a sentinel
-    # slot's zero row times NaN is NaN too).
-    dy_kept = dy_kept + poison.astype(dy_kept.dtype)
-  dx_kept, dkernel, dbias = dense_backward(gather_rows(x, active_rows), kernel, dy_kept,
-                                           with_bias=with_bias, precision=precision,
-                                           dkernel_dtype=dkernel_dtype)
+    dkernel = dkernel + poison.astype(dkernel.dtype)
+    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
   return spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
 
 
@@ -214,9 +214,12 @@ def pallas_mosaic_backward(x, kernel, dy, active_rows, *, with_bias, precision=N
   num_rows = x.shape[0]
   accumulate = accumulation_dtype(dy.dtype)
   dx_kept, dkernel, dbias = sebp_matmul_mgpu.kept_rows_backward(
-      x, kernel, dy, active_rows, with_bias=with_bias, poison=poison,
+      x, kernel, dy, active_rows, with_bias=with_bias,
       dw_dtype=dkernel_dtype or accumulate, db_dtype=accumulate,
       interpret=jax.default_backend() != "gpu")
+  if poison is not None:  # dW and db only: the kept rows' dX is theirs alone.
+    dkernel = dkernel + poison.astype(dkernel.dtype)
+    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
   rows = jnp.pad(active_rows.astype(jnp.int32), (0, dx_kept.shape[0] - active_rows.shape[0]),
                  constant_values=num_rows)
   return spread_rows(dx_kept.astype(x.dtype), rows, num_rows), dkernel, dbias

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       ``[C, V]`` packed rows instead: the ``[B, L, V]`` logits are then never made (unless
       something else reads them), and the value is the same.
     input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes). Padding may hold any
-      id (0, -100, the vocabulary size); a real token's id out of ``[0, V)`` makes the loss
+      id (0, -100, the vocabulary size); a real target's id out of ``[0, V)`` makes the loss
       and its gradient NaN.
     attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
     capacity: optional static count of rows for the log-softmax over the vocabulary: the
@@ -61,16 +62,26 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     exactly zero (what SEBP with a shared mask index relies on).
   """
   batch, length, vocab = logits.shape
+  if head_chunk is not None and head_chunk != "auto" and not (
+      isinstance(head_chunk, numbers.Integral) and not isinstance(head_chunk, bool)
+      and head_chunk > 0):
+    raise ValueError(f"head_chunk must be a positive int, 'auto' or None, got {head_chunk!r}")
   # Targets and weights on all L positions (the last one weighs 0), so that the logits are
   # read in place rather than copied without their last column.
   labels = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
   weights = _target_weights(attention_mask)
+  packed = packed_rows_of(logits)
+  if packed is not None:
+    # A target out of the vocabulary makes the loss NaN (below, per row), here also one that
+    # the packed rows do not hold (a loss mask other than the model's may count it): NaN
+    # weights for its row, a reduction along the row, which no device boundary splits.
+    out_of_vocab = ((labels < 0) | (labels >= vocab)) & (weights != 0)
+    weights = jnp.where(jnp.any(out_of_vocab, axis=1, keepdims=True), jnp.nan, weights)
   num_targets = jnp.sum(weights)
   poison = jnp.float32(0)
   if capacity is not None:
     capacity = validate_top_n(capacity, "capacity")
     poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
-  packed = packed_rows_of(logits)
   head = None
   if packed is not None:
     layout = packed.layout

@@ -179,17 +179,22 @@ def _sebp_linear(x, kernel, bias, active_rows, config: _LinearConfig):
 
 def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
   x, kernel, bias = promote_dtype(x, kernel, bias, dtype=config.dtype)
-  return _dense_forward(x, kernel, bias, config.precision), (x, kernel, active_rows)
+  # Which rows of x are finite, for the backward (linear_backward's finite_x_rows): reduced
+  # here, where XLA can fuse the pass with whatever wrote x.
+  finite_x_rows = jnp.all(jnp.isfinite(x), axis=-1)
+  return (_dense_forward(x, kernel, bias, config.precision),
+          (x, kernel, active_rows, finite_x_rows))
 
 
 def _linear_grads(config: _LinearConfig, rows, whole):
   """dX (rows) and dW, db (sums over rows) of the rows given."""
-  (x, dy, active_rows), (kernel,) = rows, whole
+  (x, dy, active_rows, finite_x_rows), (kernel,) = rows, whole
   num_rows = math.prod(x.shape[:-1])
   dx, dkernel, dbias = linear_backward(
       x.reshape(num_rows, x.shape[-1]), kernel, dy.reshape(num_rows, dy.shape[-1]),
       top_n=config.top_n, threshold=config.threshold, overflow=config.overflow,
-      active_rows=active_rows, backend=config.backend,
+      active_rows=active_rows, finite_x_rows=finite_x_rows.reshape(num_rows),
+      backend=config.backend,
       with_bias=config.grad_dtypes[2] is not None, precision=config.precision,
       # A shard's partial dW crosses devices in the compute dtype (the residual kernel's).
       dkernel_dtype=config.grad_dtypes[1] if config.sharding is None else kernel.dtype,
@@ -198,13 +203,13 @@ def _linear_grads(config: _LinearConfig, rows, whole):
 
 
 def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
-  x, kernel, active_rows = residuals
+  x, kernel, active_rows, finite_x_rows = residuals
   grads = functools.partial(_linear_grads, config)
   if config.sharding is None:
-    (dx,), (dkernel, dbias) = grads((x, dy, active_rows), (kernel,))
+    (dx,), (dkernel, dbias) = grads((x, dy, active_rows, finite_x_rows), (kernel,))
   else:
     (dx,), (dkernel, dbias) = map_row_shards(
-        grads, config.sharding, rows=(x, dy, active_rows), whole=(kernel,),
+        grads, config.sharding, rows=(x, dy, active_rows, finite_x_rows), whole=(kernel,),
         sums_like=(kernel, None), sums_dtype=kernel.dtype)
   dx, dkernel, dbias = (None if g is None else g.astype(dtype)
                         for g, dtype in zip((dx, dkernel, dbias), config.grad_dtypes))
@@ -254,7 +259,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`); rows not
       listed count as inactive, so that several layers can share one selection from a token
       mask. ``top_n`` and ``overflow`` apply to the listed active rows. dY is still read once,
-      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish.
+      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish; so does
+      a NaN/Inf in a row of x that the backward skips make dW NaN, as jax.grad's 0 * Inf
+      makes its dW.
     dtype: the compute dtype, as ``nn.Dense``'s ``dtype``: x, kernel and bias are cast to it
       (None: to their promoted type, as ``flax.linen.dtypes.promote_dtype`` does).
     row_log: optional hashable callable, e.g. ``RowLog().for_layer(name)``

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import remember_packed
 from sebp_jax.selection import active_rows_from_mask
 from sebp_jax.sharding import (RowSharding, normalize_batch_axes, row_sharding,
@@ -116,14 +117,19 @@ def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
 
 def capacity_buckets(largest: int, count: int = 4, multiple: int = 128) -> tuple[int, ...]:
   """A short geometric ladder of capacities for a run whose fullest batch has ``largest`` real
-  tokens: ``largest``, its half, quarter, ... (``count`` of them), each rounded up to
-  ``multiple`` (distinct, ascending). With :func:`token_capacity`'s ``buckets`` every batch
-  of the run packs into one of them: at most ``count`` compiles, no batch padded to more than
-  twice its real tokens (but the smallest bucket's)."""
+  tokens: ``largest`` rounded up to ``multiple``, then the half of each rung rounded up to
+  ``multiple``, down to ``multiple`` (at most ``count`` of them, ascending). With
+  :func:`token_capacity`'s ``buckets`` every batch of the run packs into one of them: at most
+  ``count`` compiles, and no batch padded to more than twice its real tokens (but the
+  smallest bucket's): a batch too large for a rung, half the one above or more, fills over
+  half of the one it takes."""
   if count < 1 or largest < 1 or multiple < 1:
     raise ValueError(f"capacity_buckets needs positive largest, count and multiple, got "
                      f"{largest}, {count}, {multiple}")
-  return tuple(sorted({-(-max(1, largest >> k) // multiple) * multiple for k in range(count)}))
+  rungs = [-(-largest // multiple) * multiple]
+  while len(rungs) < count and rungs[-1] > multiple:
+    rungs.append(-(-rungs[-1] // 2 // multiple) * multiple)
+  return tuple(reversed(rungs))
 
 
 def token_budget_batches(lengths, token_budget: int, max_rows: int) -> list[list[int]]:
@@ -202,10 +208,11 @@ def pack_layout(mask: Array, capacity: int,
     host = np.asarray(mask) != 0
     num_tokens = int(shard_row_counts(host, num_shards).max())
     if num_tokens > capacity:
-      where = "a shard of active_mask" if num_shards > 1 else "active_mask"
+      where = "a shard of the mask" if num_shards > 1 else "the mask"
       raise ValueError(
-          f"packing capacity {capacity} (from top_n) is smaller than the {num_tokens} real "
-          f"tokens of {where} [{batch}, {length}]: give a top_n of at least {num_tokens}.")
+          f"packing capacity {capacity} is smaller than the {num_tokens} real tokens of "
+          f"{where} [{batch}, {length}]: give a capacity (use_sebp's top_n) of at least "
+          f"{num_tokens}.")
     lengths = host.sum(axis=1)
     row_width = int(max(lengths.max(initial=0), 1))
     # No holes: the real tokens of each row span as many columns as they are.
@@ -441,6 +448,7 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
   slots of its own (:func:`token_capacity` with ``num_shards``), and the packed inputs are
   ``[1, shards * capacity]``, split along the tokens.
   """
+  capacity = validate_top_n(capacity, "capacity")
   sharding = row_sharding(mask, 2, mesh=mesh,
                           batch_axes=normalize_batch_axes(batch_axes))
   layout = pack_layout(mask, capacity, sharding)
@@ -473,16 +481,24 @@ def fused_attention_implementation(query: Array) -> str:
 ATTENTION_METHODS = ("auto", "rows", "mask")
 
 
+def _covers_every_row(window: int | None, layout: PackedLayout) -> bool:
+  """Whether ``window`` (in columns) leaves every pair of a row's tokens in: it spans the
+  padded length, or, in rows without holes, the longest row. With holes a row of few tokens
+  may spread over more columns than the longest row has tokens."""
+  return (window is None or window >= layout.batch_shape[1] - 1
+          or (layout.contiguous and window >= layout.row_width - 1))
+
+
 def _window_in_rows(window: int | None, layout: PackedLayout) -> bool:
   """Whether :func:`row_attention` keeps ``window`` (in columns): none, one that covers every
   row, or rows without holes, where a distance in ranks is one in columns."""
-  return window is None or window >= layout.row_width - 1 or layout.contiguous
+  return _covers_every_row(window, layout) or layout.contiguous
 
 
 def _row_window(window: int | None, layout: PackedLayout) -> int | None:
   """``window`` in ranks for :func:`row_attention`, None where it covers every row; a
   ValueError where holes could make a distance in ranks differ from one in columns."""
-  if window is None or window >= layout.row_width - 1:
+  if _covers_every_row(window, layout):
     return None
   if not _window_in_rows(window, layout):
     raise ValueError(

@@ -49,6 +49,7 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 from jax.sharding import AxisType, PartitionSpec as P
 
+from sebp_jax.backward import table_row_ids
 from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
 
 Array = jax.Array
@@ -277,7 +278,7 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {jnp.asarray(ids).dtype}")
   rows = shard.shape[0]
-  ids = jnp.where(ids < 0, ids + num_embeddings, ids)
+  ids = table_row_ids(ids, num_embeddings)
   every = jax.lax.all_gather(ids, axis)  # [devices, *ids.shape]
   local = every - jax.lax.axis_index(axis) * rows
   owned = (local >= 0) & (local < rows)
@@ -285,7 +286,7 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   # scatter-add then drops it, where any real row would take every such add, one at a time.
   found = jnp.take(shard, jnp.where(owned, local, rows), axis=0, mode="fill", fill_value=0)
   looked_up = jax.lax.psum_scatter(found, axis, scatter_dimension=0)
-  valid = (ids >= 0) & (ids < num_embeddings)
+  valid = ids < num_embeddings
   return jnp.where(valid[..., None], looked_up, jnp.array(jnp.nan, looked_up.dtype))
 
 

@@ -122,8 +122,10 @@ def test_poison_reaches_dkernel_and_dbias(name):
   zero_poison = _run(name, x, kernel, dy, active_rows, poison=jnp.float32(0))
   for got, want in zip(zero_poison, clean):  # a zero poison changes nothing
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  _, dkernel, dbias = _run(name, x, kernel, dy, active_rows, poison=jnp.float32(jnp.nan))
+  dx, dkernel, dbias = _run(name, x, kernel, dy, active_rows, poison=jnp.float32(jnp.nan))
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+  # dX is the kept rows' own: a NaN in a row left out is not theirs.
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(clean[0], np.float32))
   # Even with no kept row at all (every slot a sentinel).
   empty = jnp.full((8,), 32, jnp.int32)
   _, dkernel, dbias = _run(name, x, kernel, dy, empty, poison=jnp.float32(jnp.nan))
@@ -156,9 +158,11 @@ def test_pallas_mosaic_carries_the_poison():
   kernel = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
   dy = jnp.asarray(random_sparse_rows(rng, 130, 128, 9), jnp.bfloat16)
   for active_rows in (select_active_rows(dy, 130), jnp.full((130,), 130, jnp.int32)):
-    _, dkernel, dbias = _run("pallas_mosaic", x, kernel, dy, active_rows,
-                             poison=jnp.float32(jnp.nan))
+    dx, dkernel, dbias = _run("pallas_mosaic", x, kernel, dy, active_rows,
+                              poison=jnp.float32(jnp.nan))
     assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+    clean_dx, _, _ = _run("pallas_mosaic", x, kernel, dy, active_rows)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(clean_dx, np.float32))
 
 
 def test_pallas_takes_the_mosaic_kernels_on_hopper_only(monkeypatch):

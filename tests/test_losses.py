@@ -132,6 +132,9 @@ def test_capacity_must_be_a_static_positive_int():
   for capacity in (0, 2.5):
     with pytest.raises(ValueError, match="capacity must be a positive Python int"):
       masked_causal_lm_loss(logits, ids, mask, capacity=capacity)
+  for head_chunk in ("nonsense", 0, -1, 2.5, True):  # Checked even where no head is read.
+    with pytest.raises(ValueError, match="head_chunk must be a positive int, 'auto' or None"):
+      masked_causal_lm_loss(logits, ids, mask, head_chunk=head_chunk)
 
 
 def _head_reference(inputs, kernel, bias, labels, weights):

@@ -393,18 +393,19 @@ def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
 def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
   """masked_causal_lm_loss on a packed LM head's logits reads its [C, V] rows: the compiled
   step holds no [B, L, V] logits, and the value and gradient are those of the scattered
-  logits, for a loss mask that is the model's, a part of it, or more."""
+  logits, for a loss mask that is the model's, a part of it, or more; a target out of the
+  vocabulary that the loss counts outside the packed rows makes it NaN either way."""
   rng = np.random.default_rng(24)
   ids, mask, positions = _decoder_batch(rng, "holes")
   capacity = int(mask.sum()) + 2
 
-  def loss(params, loss_mask, scattered):
+  def loss(params, loss_mask, scattered, loss_ids=ids):
     with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla"):
       logits = tiny_llama(ids, attention_mask=mask, position_ids=positions,
                           params=params).logits
     # A copy is not the head's output: the loss reads it whole, as before packing.
     logits = logits + 0 if scattered else logits
-    return masked_causal_lm_loss(logits, ids, loss_mask)
+    return masked_causal_lm_loss(logits, loss_ids, loss_mask)
 
   packed_rows, scattered = (jax.jit(jax.value_and_grad(functools.partial(loss, scattered=s)))
                             .lower(tiny_llama.params, mask).compile() for s in (False, True))
@@ -420,6 +421,14 @@ def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
   for loss_mask in (mask, part, more):
     assert_matches_dense(packed_rows(tiny_llama.params, loss_mask),
                          scattered(tiny_llama.params, loss_mask))
+  # -100 at padding that padding precedes: targets of positions the packing leaves out.
+  after_padding = np.pad(mask[:, :-1] == 0, ((0, 0), (1, 0)), constant_values=True)
+  broken = np.where((mask == 0) & after_padding, -100, ids).astype(ids.dtype)
+  assert (broken == -100).any()
+  for s in (False, True):
+    value = jax.jit(functools.partial(loss, scattered=s))(tiny_llama.params, more,
+                                                          loss_ids=broken)
+    assert np.isnan(value)
 
 
 def test_the_loss_computes_a_packed_heads_rows_in_chunks(tiny_llama, monkeypatch):

@@ -304,8 +304,39 @@ def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
   g[skipped, 1] = np.nan
   poisoned = grads(g)
   assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
+  np.testing.assert_array_equal(poisoned[0], clean[0])  # The kept rows' dX is theirs alone.
   g[skipped, 1] = np.inf
   assert np.isnan(np.asarray(grads(g)[1])).all()
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"top_n": 4}, {"top_n": 4, "overflow": "nan"}, {"top_n": 4, "overflow": "drop"},
+    {"threshold": 1e-3}, {"active_rows": "kept"}, {"backend": "pallas"},
+    {"backend": "dense", "top_n": 4}], ids=str)
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_x_in_a_skipped_row_makes_dkernel_nan(options, value):
+  """jax.grad's dW = xᵀ·dY multiplies a NaN/Inf of x by the zero dY of its row: NaN. The
+  backward that skips the row must make dW NaN too, whatever its path; db and dX are
+  jax.grad's. In a kept row the NaN/Inf reaches dW as in jax.grad, no further."""
+  rng = np.random.default_rng(21)
+  x, kernel, bias, g = _problem(rng, (16,), 6, 5, num_nonzero=4)
+  kept = np.flatnonzero(g.any(axis=1))
+  if options.get("active_rows") == "kept":
+    options = {"active_rows": jnp.asarray(kept, jnp.int32), "top_n": 4}
+  skipped = int(np.setdiff1d(np.arange(16), kept)[0])
+  dense = lambda x, k, b: x @ k + b
+  for row, everywhere in ((skipped, True), (int(kept[1]), False)):
+    bad_x = x.copy()
+    bad_x[row, 2] = value
+    got = _grads(sebp_linear, bad_x, kernel, bias, g, **options)
+    want = _grads(dense, bad_x, kernel, bias, g)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+    dkernel = np.asarray(got[1])
+    if everywhere:
+      assert np.isnan(dkernel).all()
+    else:
+      np.testing.assert_array_equal(np.isfinite(dkernel), np.isfinite(np.asarray(want[1])))
 
 
 def test_differentiating_the_backward_again_is_refused():

@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from sebp_jax.packing import (attention_mask, attention_method, balanced_shard_order,
                               capacity_buckets,
-                              fused_attention_implementation, gather_tokens, pack_layout,
+                              fused_attention_implementation, gather_tokens,
+                              pack_decoder_inputs, pack_layout,
                               packed_attention, scatter_tokens, token_budget_batches,
                               token_capacity)
 
@@ -259,6 +260,28 @@ def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, win
   assert np.all(np.isfinite(got))
 
 
+@pytest.mark.parametrize("window", [3, 9])
+def test_a_window_under_the_columns_of_a_row_with_holes_is_not_taken_as_covering_it(window):
+  """Rows of at most 4 real tokens spread over up to 5 columns by their holes: a window of 3
+  columns does not cover them (row attention refuses it, the mask applies it), one of the
+  padded length (9 of 10 columns) does, in rows too."""
+  mask = np.array([[1, 0, 0, 0, 1, 0, 0, 1, 1, 0],
+                   [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+  rng = np.random.default_rng(410 + window)
+  capacity = int(mask.sum()) + 2
+  layout = pack_layout(mask, capacity)
+  (q, k, v), packed, real = _packed_qkv(rng, mask, capacity)
+  want = _reference_attention(q, k, v, mask, True, window).reshape(-1, 4, 8)[real]
+  for method in ("mask", "rows"):
+    attend = jax.jit(lambda *qkv: packed_attention(*qkv, layout, causal=True, window=window,
+                                                   implementation="xla", method=method))
+    if method == "rows" and window == 3:
+      with pytest.raises(ValueError, match="needs rows without holes"):
+        attend(*packed)
+      continue
+    np.testing.assert_allclose(attend(*packed)[0, :len(real)], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["right", "left", "holes"])
 def test_row_attention_gradients_equal_the_masks(kind):
   """The gradients of q, k and v at real tokens, in rows and over the packed sequence, traced
@@ -359,6 +382,12 @@ def test_a_concrete_mask_over_capacity_raises_with_the_counts():
   with pytest.raises(ValueError, match=rf"packing capacity {n - 1} .* {n} real tokens"):
     pack_layout(mask, n - 1)
   assert int(pack_layout(mask, n).num_tokens) == n
+  ids = np.where(mask != 0, 5, 0)
+  with pytest.raises(ValueError, match=rf"packing capacity {n - 1} .* of at least {n}"):
+    pack_decoder_inputs(ids, mask, n - 1)
+  for capacity in (0, True, 5.0):  # Checked under jit too, where the mask is traced.
+    with pytest.raises(ValueError, match="capacity must be a positive Python int"):
+      jax.jit(lambda i, m: pack_decoder_inputs(i, m, capacity).input_ids)(ids, mask)
 
 
 def test_a_traced_mask_over_capacity_is_loud_under_jit():
@@ -400,16 +429,20 @@ def test_token_capacity(multiple):
 
 def test_capacity_buckets_bound_the_compiles_and_the_padding():
   """A geometric ladder: at most ``count`` capacities, each batch in the smallest that holds
-  it, at most twice its real tokens above the smallest bucket."""
+  it, at most twice its real tokens above the smallest bucket, whatever the largest."""
   buckets = capacity_buckets(1100, count=4)
   assert buckets == (256, 384, 640, 1152)
+  assert capacity_buckets(257) == (128, 256, 384)
   rng = np.random.default_rng(850)
-  for _ in range(50):
-    mask = rng.random((8, 200)) < rng.uniform(0.01, 0.68)
-    capacity = token_capacity(mask, buckets=buckets)
-    n = int(mask.sum())
-    assert capacity in buckets and capacity >= n
-    assert capacity == buckets[0] or capacity <= 2 * n + 128
+  for largest in (1100, 257, 513, 1031, *rng.integers(1, 5000, size=30)):
+    buckets = capacity_buckets(int(largest), count=4)
+    assert len(buckets) <= 4 and buckets[-1] >= largest and list(buckets) == sorted(buckets)
+    for n in range(1, buckets[-1] + 1, 7):
+      mask = np.arange(buckets[-1]) < n
+      capacity = token_capacity(mask[None], buckets=buckets)
+      assert capacity in buckets and capacity >= n
+      assert capacity == buckets[0] or capacity <= 2 * n
+  buckets = capacity_buckets(1100, count=4)
   with pytest.raises(ValueError, match="hold at most 1152 tokens, and the mask has 1200"):
     token_capacity(np.ones((6, 200)), buckets=buckets)
   assert capacity_buckets(100, count=3, multiple=8) == (32, 56, 104)

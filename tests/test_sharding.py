@@ -296,6 +296,26 @@ def test_embedding_gradient_gathers_the_kept_rows_where_fewer_bytes(num_embeddin
       assert np.isnan(np.asarray(grad(*args[:2], poisoned, True))).all()
 
 
+@pytest.mark.parametrize("length", [LENGTH, 0])
+def test_gathered_rows_drop_ids_out_of_range_and_take_an_empty_batch(length):
+  """The gathered rows' ids keep their range: uint32 ids of 2**31 and more, out of range, get
+  no gradient (none wraps into a row by a cast to int32); a batch of no tokens gives a zero
+  table."""
+  rng = np.random.default_rng(5)
+  table = jnp.asarray(rng.normal(size=(400, FEATURES)), jnp.float32)
+  ids = rng.integers(0, 400, size=(BATCH, length))
+  ids.flat[::5] = rng.choice([400, 2**31, 2**32 - 1, 2**32 - 6], size=ids.flat[::5].shape)
+  ids = jnp.asarray(ids.astype(np.uint32))
+  dy = jnp.asarray(rng.normal(size=(BATCH, length, FEATURES)), jnp.float32)
+  want = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)[1](dy)[0]
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    sharded = _put((ids, dy), mesh, P("data"))
+    got = jax.jit(lambda t, i, d: jax.vjp(
+        lambda t: sebp_embed_lookup(t, i, batch_axes="data"), t)[1](d)[0])(table, *sharded)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_gathered_rows_give_the_table_on_explicit_axes_and_to_second_order():
   """The gathered rows' table takes the parameter's own sharding under Explicit axes (a
   2x2 mesh, the table split by features, the ids split over "data" by batch_axes); and with
@@ -559,24 +579,36 @@ def test_ops_in_a_shard_map_sum_a_replicated_input_gradient_over_devices():
   assert {aval.dtype for aval in sums} == {jnp.dtype(jnp.bfloat16)}
 
 
-def test_split_table_lookup_is_take_with_the_table_left_split():
+@pytest.mark.parametrize("id_dtype,num_embeddings", [(np.int32, 16), (np.uint8, 260),
+                                                     (np.uint32, 16)])
+def test_split_table_lookup_is_take_with_the_table_left_split(id_dtype, num_embeddings):
   """`split_table_lookup` in a `shard_map` over 4 devices, the table split by rows and each
-  device with ids of its own (negative ones, and two out of range): `jnp.take` of the whole
-  table, NaN where an id is out of range and where a row read holds one; its gradient is
-  take's, and comes back split as the table."""
+  device with ids of its own (negative ones, and ids out of range, up to the dtype's largest;
+  uint8 ids of a 260-row table): `jnp.take` of the whole table, NaN where an id is out of
+  range and where a row read holds one; its gradient is take's, and comes back split as the
+  table."""
   mesh = _mesh(AxisType.Auto)
   rng = np.random.default_rng(3)
-  table = jnp.asarray(rng.normal(size=(16, 5)), jnp.float32).at[6, 2].set(jnp.nan)
-  ids = jnp.asarray(rng.integers(-16, 16, size=(8, 3)), jnp.int32)
-  ids = ids.at[1, 1].set(16).at[5, 0].set(-17).at[2, 2].set(6)
+  table = jnp.asarray(rng.normal(size=(num_embeddings, 5)), jnp.float32).at[6, 2].set(jnp.nan)
+  lowest = -num_embeddings if np.issubdtype(id_dtype, np.signedinteger) else 0
+  ids = rng.integers(lowest, min(num_embeddings, np.iinfo(id_dtype).max + 1), size=(8, 3))
+  largest = np.iinfo(id_dtype).max
+  ids[2, 2], ids[3, 1] = 6, largest  # uint8: 255, a row of the table.
+  if num_embeddings <= largest:
+    ids[1, 1] = num_embeddings
+  if lowest:
+    ids[5, 0] = -num_embeddings - 1
+  ids = jnp.asarray(ids.astype(id_dtype))
   dy = jnp.asarray(rng.normal(size=(8, 3, 5)), jnp.float32)
-  lookup = jax.jit(jax.shard_map(lambda t, i: split_table_lookup(t, i, "data", 16), mesh=mesh,
-                                 in_specs=(P("data"), P("data")), out_specs=P("data")))
+  lookup = jax.jit(jax.shard_map(
+      lambda t, i: split_table_lookup(t, i, "data", num_embeddings), mesh=mesh,
+      in_specs=(P("data"), P("data")), out_specs=P("data")))
   split_table = jax.device_put(table, NamedSharding(mesh, P("data")))
   got, got_vjp = jax.vjp(lambda t: lookup(t, ids), split_table)
   want, want_vjp = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)
   np.testing.assert_array_equal(got, want)
-  assert np.isnan(got[1, 1]).all() and np.isnan(got[2, 2, 2])
+  assert np.isnan(got[2, 2, 2])
+  assert np.isnan(got[3, 1]).all() == (largest >= num_embeddings)
   (got_grad,), (want_grad,) = got_vjp(dy), want_vjp(dy)
   np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6)
   assert got_grad.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
