@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sebp_jax.cost_model import choose_counted, choose_implementation
@@ -186,8 +187,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     active_rows: optional ``int32[K]`` index of the rows that may be active (sorted, padded
       with T), ``K >= 1``: the others count as inactive.
     finite_x_rows: optional ``bool[T]``, whether each row of x is finite: a row that is not
-      and that the backward skips makes dW NaN, as jax.grad's dW = xᵀ·dY is, its 0 * Inf
-      (None: x is not checked).
+      and that the backward skips makes all of dW NaN, where jax.grad's dW = xᵀ·dY has NaN
+      (0 * Inf) in the rows of the features that are not finite (None: x is not checked).
     backend: ``"auto"`` or a registered implementation (:mod:`sebp_jax.implementations`).
     with_bias: whether to return db.
     precision: ``lax.Precision`` of the dots.
@@ -200,6 +201,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     ``(dx [T, D] in x's dtype, dkernel [D, N], dbias [N] in the accumulation dtype or None)``.
   """
   num_rows, in_features = x.shape
+  overflowed = None  # NaN where "nan" overflowed: dX too misses the rows left out.
   if top_n == "auto":
     overflow = "exact"  # Its last capacity holds every row: nothing can overflow.
   num_candidates = num_rows if active_rows is None else active_rows.shape[0]
@@ -236,7 +238,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
       if overflow == "drop":
         rows = largest_rows(rows, plan[0], statistics)
       else:
-        poison = _add(poison, overflow_poison(count, plan[0]))
+        overflowed = overflow_poison(count, plan[0])
+        poison = _add(poison, overflowed)
         rows = rows[:plan[0]]
       active = None
   # Rows that a dense backward must zero: those the threshold or the index leaves out.
@@ -278,32 +281,33 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     branch = jnp.sum(count > jnp.asarray(plan[:-1]), dtype=jnp.int32)
     capacity = jnp.asarray(plan, jnp.int32)[branch]
     dx, dkernel, dbias = lax.switch(branch, [functools.partial(run_at, c) for c in plan])
-  if overflow == "nan" and poison is not None:
-    dx = dx + poison.astype(dx.dtype)  # The rows left out are missing from dX as well.
-  kept = rows_mask(rows, num_rows) if active is None else active
+  if overflowed is not None:
+    dx = dx + overflowed.astype(dx.dtype)
+  kept = lambda: rows_mask(rows, num_rows) if active is None else active
   if finite_x_rows is not None:
-    skipped_not_finite = jnp.any(~finite_x_rows & ~kept)
+    skipped_not_finite = jnp.any(~finite_x_rows & ~kept())
     dkernel = dkernel + jnp.where(skipped_not_finite, jnp.nan, 0).astype(dkernel.dtype)
   if row_log is not None:
-    _record(row_log, statistics, kept, count, capacity)
+    _record(row_log, statistics, kept(), count, capacity)
   return dx, dkernel, dbias
 
 
 def table_row_ids(ids: Array, num_embeddings: int) -> Array:
-  """``int32`` row of a ``num_embeddings``-row table that each of ``ids`` reads: negative ids
-  wrapped, as numpy indexes, and ids out of ``[-num_embeddings, num_embeddings)`` made
-  ``num_embeddings``, the row past the end that a scatter drops. The bounds are compared in
-  the ids' own dtype first: ``num_embeddings`` cast to uint8 ids would wrap, and so would a
-  uint32 id of 2**31 or more cast to int32."""
+  """``int32`` row of a ``num_embeddings``-row table that each of ``ids`` reads, as
+  ``jnp.take`` (and so ``nn.Embed``, and autodiff's gradient) reads it: a negative id plus
+  the table's size, added in the ids' own dtype (where the size does not fit a narrow dtype,
+  it wraps there as it does in ``jnp.take``), and ``num_embeddings``, the row past the end
+  that a scatter drops, for an id still out of range. The bounds are compared in the ids'
+  own dtype: ``num_embeddings`` cast to uint8 ids would wrap, and so would a uint32 id of
+  2**31 or more cast to int32."""
   ids = jnp.asarray(ids)
   limits = jnp.iinfo(ids.dtype)
-  in_range = jnp.ones(ids.shape, bool)
+  if limits.min < 0:
+    ids = jnp.where(ids < 0, ids + np.array(num_embeddings).astype(ids.dtype), ids)
+  in_range = ids >= 0
   if num_embeddings <= limits.max:
     in_range = in_range & (ids < num_embeddings)
-  if -num_embeddings >= limits.min:
-    in_range = in_range & (ids >= -num_embeddings)
-  rows = jnp.where(in_range, ids, 0).astype(jnp.int32)  # In range: within int32.
-  return jnp.where(in_range, jnp.where(rows < 0, rows + num_embeddings, rows), num_embeddings)
+  return jnp.where(in_range, jnp.where(in_range, ids, 0).astype(jnp.int32), num_embeddings)
 
 
 def embedding_kept_count(num_candidates: int, top_n: int | str, overflow: str) -> int:

@@ -259,9 +259,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`); rows not
       listed count as inactive, so that several layers can share one selection from a token
       mask. ``top_n`` and ``overflow`` apply to the listed active rows. dY is still read once,
-      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish; so does
-      a NaN/Inf in a row of x that the backward skips make dW NaN, as jax.grad's 0 * Inf
-      makes its dW.
+      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish; and a
+      NaN/Inf of x in a row that the backward skips makes dW NaN (jax.grad's dW has NaN
+      there too, 0 * Inf, in that feature's row; this one in all of dW).
     dtype: the compute dtype, as ``nn.Dense``'s ``dtype``: x, kernel and bias are cast to it
       (None: to their promoted type, as ``flax.linen.dtypes.promote_dtype`` does).
     row_log: optional hashable callable, e.g. ``RowLog().for_layer(name)``

@@ -278,15 +278,15 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {jnp.asarray(ids).dtype}")
   rows = shard.shape[0]
-  ids = table_row_ids(ids, num_embeddings)
-  every = jax.lax.all_gather(ids, axis)  # [devices, *ids.shape]
+  # The ids cross in their own dtype, and each device reads them as jnp.take would.
+  every = table_row_ids(jax.lax.all_gather(ids, axis), num_embeddings)  # [devices, *ids]
   local = every - jax.lax.axis_index(axis) * rows
   owned = (local >= 0) & (local < rows)
   # Another device's id reads zeros here, by an index past the end: the backward's
   # scatter-add then drops it, where any real row would take every such add, one at a time.
   found = jnp.take(shard, jnp.where(owned, local, rows), axis=0, mode="fill", fill_value=0)
   looked_up = jax.lax.psum_scatter(found, axis, scatter_dimension=0)
-  valid = ids < num_embeddings
+  valid = table_row_ids(ids, num_embeddings) < num_embeddings
   return jnp.where(valid[..., None], looked_up, jnp.array(jnp.nan, looked_up.dtype))
 
 

@@ -293,20 +293,23 @@ def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
   skipped = int(np.setdiff1d(np.arange(16), kept)[0])
   active_rows = jnp.asarray(kept, jnp.int32)
 
-  def grads(g):
-    loss = lambda x, k, b: jnp.sum(sebp_linear(x, k, b, top_n=4, active_rows=active_rows) * g)
+  def grads(g, overflow):
+    loss = lambda x, k, b: jnp.sum(sebp_linear(x, k, b, top_n=4, active_rows=active_rows,
+                                               overflow=overflow) * g)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, kernel, bias)
 
-  clean = grads(g)
-  ref = reference_backward(x, kernel, g, kept)
-  for got, want in zip(clean, ref):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  g[skipped, 1] = np.nan
-  poisoned = grads(g)
-  assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
-  np.testing.assert_array_equal(poisoned[0], clean[0])  # The kept rows' dX is theirs alone.
-  g[skipped, 1] = np.inf
-  assert np.isnan(np.asarray(grads(g)[1])).all()
+  for overflow in ("exact", "nan"):
+    bad = g.copy()
+    clean = grads(bad, overflow)
+    ref = reference_backward(x, kernel, bad, kept)
+    for got, want in zip(clean, ref):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    bad[skipped, 1] = np.nan
+    poisoned = grads(bad, overflow)
+    assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
+    np.testing.assert_array_equal(poisoned[0], clean[0])  # The kept rows' dX is theirs alone.
+    bad[skipped, 1] = np.inf
+    assert np.isnan(np.asarray(grads(bad, overflow)[1])).all()
 
 
 @pytest.mark.parametrize("options", [

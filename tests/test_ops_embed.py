@@ -77,47 +77,35 @@ def test_narrow_id_dtypes_with_a_large_table(id_dtype):
 
 
 def _ids_at_the_limits(dtype, num_embeddings, rng):
-  """Ids of ``dtype``, in range and out of it on both sides, its extremes included. No
-  negative id where ``num_embeddings`` does not fit the dtype: ``jnp.take`` (``nn.Embed``'s
-  forward) then adds it to the id in the id's dtype, which wraps."""
+  """Ids of ``dtype``, in range and out of it on both sides, its extremes included."""
   limits = np.iinfo(dtype)
   candidates = [0, 1, num_embeddings - 1, num_embeddings, -1, -num_embeddings,
                 -num_embeddings - 1, limits.min, limits.max, limits.max - 5, 2**31, 2**32 - 1]
-  chosen = [c for c in candidates if limits.min <= c <= limits.max
-            and (c >= 0 or num_embeddings <= limits.max)]
+  chosen = [c for c in candidates if limits.min <= c <= limits.max]
   chosen += [int(i) for i in rng.integers(0, min(num_embeddings, limits.max + 1),
                                           size=24 - len(chosen))]
   return np.asarray(chosen, dtype)
 
 
-def _take_table_grad(num_embeddings, ids, dy):
-  """float64 reference of autodiff's lookup: negative ids wrapped, ids out of
-  [-V, V) dropped, each id compared as the Python int it is."""
-  d_table = np.zeros((num_embeddings, dy.shape[1]))
-  for position, i in enumerate(int(i) for i in np.ravel(ids)):
-    if -num_embeddings <= i < num_embeddings:
-      d_table[i % num_embeddings] += np.asarray(dy[position], np.float64)
-  return d_table
-
-
 @pytest.mark.parametrize("id_dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32,
                                       np.uint32, np.int64, np.uint64])
-@pytest.mark.parametrize("options", [{}, {"threshold": 1e-3},
+@pytest.mark.parametrize("options", [{"threshold": 1e-3},
                                      {"active_rows": active_rows_from_mask(np.ones(24), 24)}],
-                         ids=["auto", "threshold", "index"])
-def test_ids_out_of_range_in_any_integer_dtype_get_no_gradient(id_dtype, options):
-  """An id out of ``[-V, V)`` gets no gradient, in any integer dtype: none is wrapped into a
-  row by a cast (a uint32 id of 2**31 or more to int32), and ``V`` is not wrapped in a
-  narrow dtype's comparison (uint8 ids of a 300-row table)."""
+                         ids=["threshold", "index"])
+def test_ids_of_any_integer_dtype_get_the_gradient_of_take(id_dtype, options):
+  """Ids at their dtype's extremes get the gradient autodiff gives ``jnp.take`` (the forward):
+  an id out of range none, none wrapped into a row by a cast (a uint32 id of 2**31 or more to
+  int32), the table's size not wrapped in a narrow dtype's comparison (uint8 ids of a
+  300-row table), and a negative id's row as take reads it (int8 ids of a 300-row table)."""
   rng = np.random.default_rng(np.dtype(id_dtype).itemsize)
   with jax.enable_x64(np.dtype(id_dtype).itemsize == 8):
     for num_embeddings in (100, 300):
-      ids = _ids_at_the_limits(id_dtype, num_embeddings, rng)
-      table = rng.standard_normal((num_embeddings, 3)).astype(np.float32)
+      ids = jnp.asarray(_ids_at_the_limits(id_dtype, num_embeddings, rng))
+      table = jnp.asarray(rng.standard_normal((num_embeddings, 3)), jnp.float32)
       dy = rng.standard_normal((ids.size, 3)).astype(np.float32)
-      got = _table_grad(table, jnp.asarray(ids), dy, **options)
-      np.testing.assert_allclose(got, _take_table_grad(num_embeddings, ids, dy),
-                                 rtol=1e-6, atol=1e-6)
+      got = _table_grad(table, ids, dy, **options)
+      want = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)[1](jnp.asarray(dy))[0]
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_shared_index_and_nan_in_a_skipped_row():

@@ -580,13 +580,13 @@ def test_ops_in_a_shard_map_sum_a_replicated_input_gradient_over_devices():
 
 
 @pytest.mark.parametrize("id_dtype,num_embeddings", [(np.int32, 16), (np.uint8, 260),
-                                                     (np.uint32, 16)])
+                                                     (np.int8, 300), (np.uint32, 16)])
 def test_split_table_lookup_is_take_with_the_table_left_split(id_dtype, num_embeddings):
   """`split_table_lookup` in a `shard_map` over 4 devices, the table split by rows and each
   device with ids of its own (negative ones, and ids out of range, up to the dtype's largest;
-  uint8 ids of a 260-row table): `jnp.take` of the whole table, NaN where an id is out of
-  range and where a row read holds one; its gradient is take's, and comes back split as the
-  table."""
+  uint8 ids of a 260-row table, int8 ids of a 300-row one): `jnp.take` of the whole table,
+  NaN where an id is out of range and where a row read holds one; its gradient is take's,
+  and comes back split as the table."""
   mesh = _mesh(AxisType.Auto)
   rng = np.random.default_rng(3)
   table = jnp.asarray(rng.normal(size=(num_embeddings, 5)), jnp.float32).at[6, 2].set(jnp.nan)
