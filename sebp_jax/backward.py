@@ -173,8 +173,8 @@ def _record(row_log, statistics: RowStatistics, kept: Array, count: Array | None
 def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
                     threshold: float = 0.0, overflow: str = "exact",
                     active_rows: Array | None = None, finite_x_rows: Array | None = None,
-                    backend: str = "auto", with_bias: bool, precision: Any = None, dkernel_dtype: Any = None,
-                    row_log=None):
+                    backend: str = "auto", with_bias: bool, precision: Any = None,
+                    dkernel_dtype: Any = None, row_log=None):
   """dX, dW and db of ``y = x @ kernel + b`` from the kept rows of dY.
 
   Args:
@@ -334,7 +334,8 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
 
   Returns:
     ``(kept_ids, kept_dy, poison)``: the rows' ids as :func:`table_row_ids` writes them
-    (``num_embeddings`` also in slots that hold no row), ``[K, F]`` rows of dY (zeros there), and
+    (``num_embeddings`` also in slots that hold no row), ``[K, F]`` rows of dY (zeros there),
+    and
     None or a float32 ``[1]`` that is NaN where the gradient must be (a NaN/Inf in a skipped
     row, an overflow under ``"nan"``), else 0. Where every row is kept and none selected
     (no index, no threshold, no log), they are every row's id and ``dy`` itself.
