@@ -36,7 +36,8 @@ import numpy as np
 from jax import lax
 
 from sebp_jax.cost_model import choose_counted, choose_implementation
-from sebp_jax.implementations import accumulation_dtype, gather_rows, get_implementation
+from sebp_jax.implementations import (accumulation_dtype, gather_rows, get_implementation,
+                                      with_poison)
 from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
                                 select_from_scores)
 
@@ -268,10 +269,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     dx, dkernel, dbias = implementation.backward(x, kernel, dy_kept, None, with_bias=with_bias,
                                                  precision=precision,
                                                  dkernel_dtype=dkernel_dtype)
-    if poison is not None:
-      dkernel = dkernel + poison.astype(dkernel.dtype)
-      dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
-    return dx, dkernel, dbias
+    return (dx, *with_poison(dkernel, dbias, poison))
 
   if len(plan) == 1:
     capacity = jnp.int32(plan[0])

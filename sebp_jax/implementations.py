@@ -154,6 +154,16 @@ def dense_backward(x, kernel, dy, active_rows=None, *, with_bias, precision=None
   return dx, dkernel, dbias
 
 
+def with_poison(dkernel: Array, dbias: Array | None,
+                poison: Array | None) -> tuple[Array, Array | None]:
+  """dW and db with ``poison`` added, after the matmuls: a NaN in a row left out reaches the
+  sums over rows, never the kept rows' dX."""
+  if poison is None:
+    return dkernel, dbias
+  return (dkernel + poison.astype(dkernel.dtype),
+          None if dbias is None else dbias + poison.astype(dbias.dtype))
+
+
 def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
                  dkernel_dtype=None):
   """The dense backward of the kept rows, dX spread back to all T rows; ``poison`` added to
@@ -161,10 +171,8 @@ def xla_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, poiso
   dx_kept, dkernel, dbias = dense_backward(gather_rows(x, active_rows), kernel,
                                            gather_rows(dy, active_rows), with_bias=with_bias,
                                            precision=precision, dkernel_dtype=dkernel_dtype)
-  if poison is not None:
-    dkernel = dkernel + poison.astype(dkernel.dtype)
-    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
-  return spread_rows(dx_kept, active_rows, x.shape[0]), dkernel, dbias
+  return (spread_rows(dx_kept, active_rows, x.shape[0]),
+          *with_poison(dkernel, dbias, poison))
 
 
 def pallas_triton_backward(x, kernel, dy, active_rows, *, with_bias, precision=None,
@@ -217,9 +225,7 @@ def pallas_mosaic_backward(x, kernel, dy, active_rows, *, with_bias, precision=N
       x, kernel, dy, active_rows, with_bias=with_bias,
       dw_dtype=dkernel_dtype or accumulate, db_dtype=accumulate,
       interpret=jax.default_backend() != "gpu")
-  if poison is not None:  # dW and db only: the kept rows' dX is theirs alone.
-    dkernel = dkernel + poison.astype(dkernel.dtype)
-    dbias = None if dbias is None else dbias + poison.astype(dbias.dtype)
+  dkernel, dbias = with_poison(dkernel, dbias, poison)
   rows = jnp.pad(active_rows.astype(jnp.int32), (0, dx_kept.shape[0] - active_rows.shape[0]),
                  constant_values=num_rows)
   return spread_rows(dx_kept.astype(x.dtype), rows, num_rows), dkernel, dbias
