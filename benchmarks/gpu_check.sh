@@ -35,8 +35,12 @@ status=0
 for step in $steps; do
   case $step in
     tests)
-      # The kernels compiled through Triton, and the library's own tests on the GPU.
-      INTERPRET=0 timeout 500 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels \
+      # The kernels compiled through Triton, and the library's own tests on the GPU: four
+      # pytest workers share the card where pytest-xdist is installed, each allocating what it
+      # uses rather than most of the card's memory up front.
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+      XLA_PYTHON_CLIENT_PREALLOCATE=false INTERPRET=0 timeout 540 python3 -m pytest -q \
+        -p no:cacheprovider $workers tests/pallas_kernels \
         tests/test_implementations.py tests/test_backward.py tests/test_cost_model.py \
         tests/test_ops.py tests/test_ops_embed.py tests/test_layers.py tests/test_intercept.py \
         tests/test_packing.py tests/test_model_families.py tests/test_losses.py \

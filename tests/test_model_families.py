@@ -21,7 +21,7 @@ from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLla
 from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
 
-VOCAB, BATCH, LENGTH = 64, 3, 12
+VOCAB, BATCH, LENGTH = 72, 3, 12
 
 
 def _encoder_config(cls, layers=2, **overrides):
