@@ -251,7 +251,7 @@ def speedups(timings: dict[str, dict], repeats: int,
         "much.")
   if ratios["backward"] < 1 and kept_fraction is not None:
     print(f"SEBP's backward is slower here: it keeps {kept_fraction:.0%} of the rows (the "
-          "fullest batch's real tokens), so it saves little of the dense matmuls and still "
+          "timed batch's capacity), so it saves little of the dense matmuls and still "
           "pays for gathering and scattering the rows. It pays where padding dominates.")
   return ratios
 

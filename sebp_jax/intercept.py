@@ -33,8 +33,9 @@ from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, res
                              sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import remember_packed
-from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, gather_tokens, pack_layout,
-                              packed_attention, scatter_tokens, token_capacity)
+from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_first_tokens,
+                              gather_tokens, pack_layout, packed_attention, scatter_tokens,
+                              token_capacity)
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask
 from sebp_jax.sharding import shard_row_counts
@@ -122,7 +123,8 @@ class use_sebp(SEBPContext):
       (:data:`LM_HEAD`) run on those tokens too. Layers outside (BERT's embeddings, poolers,
       heads) keep what the other options say. Exact under the conditions of the shared
       index: the outputs are read at real tokens only. Any mask layout works (left padding,
-      holes). A batch with more real tokens than ``top_n`` is never cut: a concrete mask
+      holes), but a head that reads each row's first column (BERT's pooler) needs a real
+      token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real tokens than ``top_n`` is never cut: a concrete mask
       raises at once, and under ``jit`` the packed outputs are NaN. Pick ``top_n`` on the
       host with :func:`sebp_jax.token_capacity` and pass it to the jitted step as a static
       argument. Dropout draws its random masks on the packed rows, so they fall elsewhere
@@ -182,9 +184,9 @@ class use_sebp(SEBPContext):
     super().reset()
     self._stack: contextlib.ExitStack | None = None
     self._layout: PackedLayout | None = None
-    # The family whose region is running, and whether one ran in this context.
+    # The family whose region is running, and the one whose region ran in this context.
     self._region_family: model_families.PackedFamily | None = None
-    self._packed_a_region = False
+    self._packed_family: model_families.PackedFamily | None = None
 
   def jit_key(self) -> tuple:
     return (*super().jit_key(), self.packed, self.attention)
@@ -217,12 +219,12 @@ class use_sebp(SEBPContext):
     if self.remember_or_reuse_report():
       return  # A program compiled under an equal context ran: its trace's report.
     logger.info(self.report.summary())
-    if self.packed and self.require_swaps and not self._packed_a_region:
+    if self.packed and self.require_swaps and self._packed_family is None:
       raise RuntimeError(
           "use_sebp(packed=True) packed nothing: no module of a supported model ran "
           f"({model_families.SUPPORTED}, from transformers){_NOTHING_TRACED}. Use it around "
           "such a model's call, inside the traced function.")
-    if not self._packed_a_region:
+    if self._packed_family is None:
       self.check_swaps("Dense layer", f"No Dense layer was traced in it{_NOTHING_TRACED}. "
                        if not self.layers_seen else "")
 
@@ -296,15 +298,22 @@ class use_sebp(SEBPContext):
     if family is not None:
       record(self.report.packed, module_path(module))
       self.layers_seen += 1
-      self._region_family, self._packed_a_region = family, True
+      self._region_family = self._packed_family = family
       try:
         return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
       finally:
         self._region_family = None
+    if (self._packed_family is not None
+        and model_families.reads_first_tokens(self._packed_family, module)):
+      bound = model_families.bind_arguments(module, args, kwargs)
+      host_mask = None if isinstance(self.active_mask, jax.core.Tracer) else self.active_mask
+      bound.arguments["hidden_states"] = checked_first_tokens(
+          bound.arguments["hidden_states"], self._layout, host_mask, type(module).__name__)
+      return model_families.call_bound(next_fun, bound)
     path = module_path(module)
     # A head on a packed region's outputs (zero at padding) gives the same rows packed; a
     # head of a model packing does not know (Bart, T5) may read other tokens.
-    if (self._packed_a_region and isinstance(module, nn.Dense) and module.path
+    if (self._packed_family is not None and isinstance(module, nn.Dense) and module.path
         and _LM_HEAD.search(path)):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:

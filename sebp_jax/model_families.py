@@ -101,18 +101,22 @@ class PackedFamily:
     attention_classes: class names of the attention modules inside the region.
     attend: ``(module, attention_core, arguments) -> outputs`` in place of an attention
       module's call: its own projections (and rotary embeddings) around ``attention_core``.
+    first_token_heads: class names of the heads that read the region's outputs at each row's
+      first column (BERT's [CLS]), their argument ``hidden_states``.
   """
   name: str
   regions: tuple[str, ...]
   tokens_argument: str
   attention_classes: tuple[str, ...]
   attend: Callable[[nn.Module, AttentionCore, dict], Any]
+  first_token_heads: tuple[str, ...] = ()
 
 
 FAMILIES = (
     PackedFamily("BERT/RoBERTa encoder", ("FlaxBertEncoder", "FlaxRobertaEncoder"),
                  "hidden_states", ("FlaxBertSelfAttention", "FlaxRobertaSelfAttention"),
-                 bert_self_attention),
+                 bert_self_attention,
+                 ("FlaxBertPooler", "FlaxRobertaPooler", "FlaxRobertaClassificationHead")),
     PackedFamily("Llama/Mistral decoder", ("FlaxLlamaModule", "FlaxMistralModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
 )
@@ -214,6 +218,11 @@ def region_family(module: nn.Module) -> PackedFamily | None:
   if not _from_transformers(module):
     return None
   return next((family for family in FAMILIES if name in family.regions), None)
+
+
+def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
+  """Whether ``module`` is a head of ``family`` that reads each row's first column."""
+  return _from_transformers(module) and type(module).__name__ in family.first_token_heads
 
 
 def attention_family(module: nn.Module) -> PackedFamily | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -92,8 +93,9 @@ class PackedLayout:
 
   @property
   def overflow(self) -> Array:
-    """``bool[]``: more real tokens than slots."""
-    return self.num_tokens > self.capacity
+    """``bool[]`` (one per shard where split): more real tokens than slots."""
+    num_shards = 1 if self.shards is None else self.shards.num_shards
+    return self.num_tokens > self.capacity // num_shards
 
 
 def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
@@ -104,6 +106,8 @@ def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
   as a static argument of the jitted step. With the batch split into ``num_shards`` shards
   along its first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per
   shard): the fullest shard's real tokens, rounded up, at most a shard's rows."""
+  multiple = validate_top_n(multiple, "multiple")
+  num_shards = validate_top_n(num_shards, "num_shards")
   mask = np.asarray(mask)
   num_tokens = max(1, int(shard_row_counts(mask, num_shards).max()))
   if buckets is not None:
@@ -123,9 +127,8 @@ def capacity_buckets(largest: int, count: int = 4, multiple: int = 128) -> tuple
   ``count`` compiles, and no batch padded to more than twice its real tokens (but the
   smallest bucket's): a batch too large for a rung, half the one above or more, fills over
   half of the one it takes."""
-  if count < 1 or largest < 1 or multiple < 1:
-    raise ValueError(f"capacity_buckets needs positive largest, count and multiple, got "
-                     f"{largest}, {count}, {multiple}")
+  largest, count, multiple = (validate_top_n(value, name) for value, name in (
+      (largest, "largest"), (count, "count"), (multiple, "multiple")))
   rungs = [-(-largest // multiple) * multiple]
   while len(rungs) < count and rungs[-1] > multiple:
     rungs.append(-(-rungs[-1] // 2 // multiple) * multiple)
@@ -143,11 +146,14 @@ def token_budget_batches(lengths, token_budget: int, max_rows: int) -> list[list
     each batch's example indices, in order. ValueError for an example longer than the
     budget.
   """
-  if token_budget < 1 or max_rows < 1:
-    raise ValueError(f"token_budget and max_rows must be positive, got {token_budget} and "
-                     f"{max_rows}")
+  token_budget = validate_top_n(token_budget, "token_budget")
+  max_rows = validate_top_n(max_rows, "max_rows")
+  lengths = np.asarray(lengths)
+  if lengths.size and (not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 0):
+    raise ValueError(f"lengths must be token counts (non-negative integers), got dtype "
+                     f"{lengths.dtype}, smallest {lengths.min()}")
   batches, current, tokens = [], [], 0
-  for index, length in enumerate(int(n) for n in lengths):
+  for index, length in enumerate(int(n) for n in lengths.reshape(-1)):
     if length > token_budget:
       raise ValueError(f"example {index} has {length} tokens, more than token_budget="
                        f"{token_budget}")
@@ -345,6 +351,32 @@ def gather_tokens(x: Array, layout: PackedLayout) -> Array:
   return packed[None]
 
 
+def checked_first_tokens(hidden: Array, layout: PackedLayout, host_mask: Any,
+                         reader: str) -> Array:
+  """``hidden: [B, L, ...]``, a packed region's outputs, for a head that reads each row's first
+  column (BERT's pooler). Packing computes the real tokens only: a row that holds real tokens
+  but padding in its first column (left padding) would read zeros where the padded batch has
+  the padding token's state. A concrete ``host_mask`` with such a row raises ValueError;
+  otherwise those rows turn NaN, and so every gradient behind them. A row without real
+  tokens reads zeros (weigh it 0)."""
+  if host_mask is not None:
+    host = np.asarray(host_mask) != 0
+    rows = np.flatnonzero(~host[:, 0] & host.any(axis=1))
+    if rows.size:
+      raise ValueError(
+          f"packed=True: {reader} reads the first column of each row, and active_mask has "
+          f"padding there in row(s) {rows[:8].tolist()} that hold real tokens (left "
+          "padding?): packing computes the real tokens only. Pad on the right, or leave "
+          "packed off.")
+    return hidden
+  reads_padding = ~layout.mask[:, 0] & jnp.any(layout.mask, axis=1)
+  reads_padding = reads_padding.reshape(-1, *(1,) * (hidden.ndim - 1))
+  # NaN times the row's outputs, not a NaN constant: the gradient of the row's real tokens,
+  # and so of every weight behind them, turns NaN too (a padding slot's gradient is dropped).
+  poison = jnp.where(reads_padding, jnp.nan, 0).astype(hidden.dtype)
+  return jnp.where(reads_padding, poison * jnp.sum(hidden, axis=1, keepdims=True), hidden)
+
+
 def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   """``packed: [1, C, ...]`` -> ``[B, L, ...]``, zeros at padding; all NaN (inexact dtypes),
   and so every gradient behind it, when the layout is ``invalid`` (the batch overflowed
@@ -449,6 +481,10 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
   ``[1, shards * capacity]``, split along the tokens.
   """
   capacity = validate_top_n(capacity, "capacity")
+  if window is not None and (isinstance(window, (bool, np.bool_))
+                             or not isinstance(window, numbers.Integral) or window < 0):
+    raise ValueError(f"window must be None or a non-negative int (columns before each token "
+                     f"that it attends to), got {window!r}")
   sharding = row_sharding(mask, 2, mesh=mesh,
                           batch_axes=normalize_batch_axes(batch_axes))
   layout = pack_layout(mask, capacity, sharding)

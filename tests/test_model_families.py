@@ -6,6 +6,7 @@ for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a
 predicts a real token."""
 
 import functools
+import re
 from contextlib import nullcontext
 
 import flax.linen as nn
@@ -198,6 +199,45 @@ def test_traced_overflow_is_loud(tiny_bert, packed_bert):
   assert np.isnan(grad["classifier"]["kernel"]).all()
   assert np.isnan(layer["attention"]["self"]["query"]["kernel"]).all()
   assert np.isnan(layer["output"]["dense"]["kernel"]).all()
+
+
+@pytest.mark.parametrize("model_name, pad_id, head", [
+    ("tiny_bert", 0, "FlaxBertPooler"), ("tiny_roberta", 1, "FlaxRobertaClassificationHead")])
+def test_a_head_reading_the_first_column_refuses_padding_there(request, model_name, pad_id,
+                                                               head):
+  """BERT's pooler and RoBERTa's classification head read each row's first column, which
+  packing does not compute where it is padding: with left padding a concrete mask raises and a
+  traced one makes the loss and every gradient NaN. A row without real tokens reads zeros
+  there: weighed 0 in the loss, the gradient is the dense one."""
+  model = request.getfixturevalue(model_name)
+  rng = np.random.default_rng(12)
+  right = _mask(rng, "right", max_tokens=BATCH * LENGTH - 2)
+  capacity = int(right.sum())
+  ids, _, labels, head_mask = _classifier_batch(rng, model, right, pad_id)
+  left, left_ids = right[:, ::-1].copy(), ids[:, ::-1].copy()
+  loss = classifier_loss(model, capacity, [])
+  padded_first = re.escape(f"row(s) {np.flatnonzero(left[:, 0] == 0).tolist()}")
+  with pytest.raises(ValueError, match=f"{head} reads the first column .* {padded_first}"):
+    jax.eval_shape(lambda p: loss(p, left_ids, left, labels, head_mask), model.params)
+  value, grad = jax.jit(jax.value_and_grad(loss))(model.params, left_ids, left, labels,
+                                                  head_mask)
+  assert np.isnan(float(value)) and all(np.isnan(leaf).any() for leaf in jax.tree.leaves(grad))
+
+  def weighed(capacity):
+    def loss(params, ids, mask, labels):
+      with _packing(capacity, mask, []):
+        logits = model(ids, attention_mask=mask, params=params).logits
+      per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+      return jnp.sum(per_row * mask.any(axis=1)) / BATCH
+    return jax.value_and_grad(loss)
+
+  empty = right.copy()
+  empty[1] = 0
+  empty_ids = np.where(empty != 0, ids, pad_id).astype(np.int32)
+  dense = weighed(None)(model.params, empty_ids, empty, labels)
+  assert_matches_dense(weighed(capacity)(model.params, empty_ids, empty, labels), dense)
+  assert_matches_dense(jax.jit(weighed(capacity))(model.params, empty_ids, empty, labels),
+                       dense)
 
 
 def test_traced_overflow_of_a_decoder_is_loud(tiny_llama):

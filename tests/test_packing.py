@@ -465,8 +465,24 @@ def test_token_budget_batches_fill_a_fixed_capacity_in_order():
   assert np.mean([lengths[g].sum() for g in groups[:-1]]) > 0.75 * 1024
   with pytest.raises(ValueError, match="example 1 has 2000 tokens, more than token_budget"):
     token_budget_batches([5, 2000], token_budget=1024, max_rows=8)
-  with pytest.raises(ValueError, match="must be positive"):
+  with pytest.raises(ValueError, match="token_budget must be a positive"):
     token_budget_batches([5], token_budget=0, max_rows=8)
+  for lengths in ([-3, 5, 5], [2.9, 3]):
+    with pytest.raises(ValueError, match="lengths must be token counts"):
+      token_budget_batches(lengths, token_budget=7, max_rows=8)
+
+
+def test_capacity_arguments_are_checked():
+  """A multiple, shard count or window that cannot be one raises, naming it."""
+  mask = np.ones((2, 5))
+  for name, value in (("multiple", -3), ("multiple", 2.5), ("multiple", 0), ("num_shards", 0)):
+    with pytest.raises(ValueError, match=f"{name} must be a positive"):
+      token_capacity(mask, **{name: value})
+  with pytest.raises(ValueError, match="largest must be a positive"):
+    capacity_buckets(2.5)
+  for window in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="window must be None or a non-negative int"):
+      pack_decoder_inputs(np.ones((2, 5), np.int32), mask, 16, window=window)
 
 
 def test_fused_attention_needs_an_even_length():

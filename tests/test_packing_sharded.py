@@ -223,9 +223,12 @@ def test_capacity_counts_per_shard(models):
 def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
   """gather, scatter and attention with a sharded layout equal each shard's own packing of
   its block, under either mesh type (transformers' Flax models do not run on an Explicit mesh
-  with split ids, dense or not: their lookups take no out_sharding)."""
+  with split ids, dense or not: their lookups take no out_sharding); each shard overflows
+  its own capacity."""
   ids, mask, _ = _batch(6, "holes")
   capacity = 32
+  counts = mask.reshape(SHARDS, -1).sum(axis=1)
+  small = int(counts.max()) - 1
   mesh = _mesh(axis_type)
   rng = np.random.default_rng(6)
   x = rng.normal(size=(BATCH, LENGTH, 8)).astype(np.float32)
@@ -235,12 +238,14 @@ def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
     layout = pack_layout(mask, capacity, row_sharding(mask, 2, batch_axes=("data",)))
     out = packed_attention(q, k, v, layout, causal=True, method="rows",
                            implementation="xla")
-    return gather_tokens(x, layout), scatter_tokens(out, layout), out
+    small_layout = pack_layout(mask, small, row_sharding(mask, 2, batch_axes=("data",)))
+    return gather_tokens(x, layout), scatter_tokens(out, layout), out, small_layout.overflow
 
   with jax.set_mesh(mesh):
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     got = [np.asarray(a) for a in jax.jit(run)(put(x, P("data")), put(mask, P("data")),
                                                *(put(a, P(None, "data")) for a in qkv))]
+  np.testing.assert_array_equal(got[3], counts > small)
   per = BATCH // SHARDS
   for shard in range(SHARDS):
     block = slice(shard * per, (shard + 1) * per)
