@@ -62,22 +62,29 @@ def _first_order_only_jvp(primals, tangents):
       "skips. Differentiate twice with flax's own Dense/Embed (outside use_sebp).")
 
 
-def nan_if_not_finite(dy: Array) -> Array:
-  """A float32 scalar: 0 if every element of ``dy: [T, F]`` is finite, else NaN.
-
-  A max over each row and a max of those: one read of dY that fuses with its producer. It
-  relies on XLA's max propagating NaN, its default (the GPU flag
-  ``--xla_gpu_enable_fast_min_max`` would break that).
-  """
+def row_max_abs(dy: Array) -> Array:
+  """Each row's max ``|value|`` of ``dy: [T, F]``: one read of dY that fuses with its
+  producer. NaN where a row has one: XLA's max propagates NaN by default (the GPU flag
+  ``--xla_gpu_enable_fast_min_max`` would break that)."""
   # The initial 0 is below every |value| and lets an empty dY through.
-  return poison_of_row_max(jnp.max(jnp.abs(dy), axis=1, initial=0))
+  return jnp.max(jnp.abs(dy), axis=1, initial=0)
 
 
-def poison_of_row_max(row_max: Array) -> Array:
-  """:func:`nan_if_not_finite` from each row's max ``|value|``."""
+def stray_rows(row_max: Array, listed: Array, threshold: float) -> Array:
+  """``bool[T]``: the rows that an index of the rows that may be active (``listed``) leaves
+  out and that are active (max ``|value|`` above ``threshold``, or not finite). The index
+  promises there are none (padding under a masked loss); a model that breaks the promise (a
+  pooling over every position, padding included) must get NaN, not a partial gradient."""
+  return ~listed & ~(row_max <= threshold)
+
+
+def index_poison(row_max: Array, stray: Array) -> Array:
+  """A float32 scalar for dW and db: NaN where a row is not finite or ``stray``
+  (:func:`stray_rows`), else 0."""
   # NaN propagates through max; |Inf| * 0 is NaN. Multiplied before the cast, so that a
   # finite float64 value past float32's range stays 0.
-  return (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
+  not_finite = (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
+  return jnp.where(jnp.any(stray), jnp.nan, not_finite).astype(jnp.float32)
 
 
 #: What the backward does when more rows are active than ``top_n``: ``"exact"`` runs a larger
@@ -98,9 +105,9 @@ def capacities(top_n: int | str, overflow: str, num_candidates: int) -> tuple[in
 
 
 def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, size: int,
-                   check_listed: bool
-                   ) -> tuple[Array, Array, Array, Array | None, RowStatistics | None]:
-  """``(rows, active, count, poison, statistics)`` for ``dy: [T, F]``.
+                   check_listed: bool) -> tuple[Array, Array, Array, Array | None,
+                                                Array | None, RowStatistics | None]:
+  """``(rows, active, count, poison, stray, statistics)`` for ``dy: [T, F]``.
 
   ``rows``: ``int32[size]``, the active rows in ascending order, then the sentinel T (the
   first ``size`` of them when more are active); with ``active_rows`` given, its entries that
@@ -108,8 +115,9 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
   entry counts as active, as zero rows add nothing to the gradients: for callers that need
   no count). ``active``: ``bool[T]``, every active row.
   ``count``: how many rows are active. ``poison``:
-  None, or, with an index, 0 or NaN as dY is finite or not: a NaN/Inf in a row the index
-  skips must still reach dW and db. ``statistics``: every row's
+  None, or, with an index, :func:`index_poison`: a NaN/Inf or an active row that the index
+  skips must still show in dW and db. ``stray``: None, or, with an index,
+  :func:`stray_rows`. ``statistics``: every row's
   (:func:`sebp_jax.selection.row_statistics`), from the one pass over dY that gives all of
   the above where the rows are checked; None where only the poison is needed.
   """
@@ -119,16 +127,15 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
   if active_rows is None:
     (rows,) = jnp.nonzero(statistics.active, size=size, fill_value=num_rows)
     return (rows.astype(jnp.int32), statistics.active,
-            jnp.sum(statistics.active, dtype=jnp.int32), None, statistics)
+            jnp.sum(statistics.active, dtype=jnp.int32), None, None, statistics)
   rows = active_rows
-  if statistics is None:
-    poison = nan_if_not_finite(dy)
-  else:
+  row_max = row_max_abs(dy) if statistics is None else statistics.max_abs
+  stray = stray_rows(row_max, rows_mask(rows, num_rows), threshold)
+  if statistics is not None:
     listed_active = jnp.take(statistics.active, rows, mode="fill", fill_value=False)
     rows = jnp.sort(jnp.where(listed_active, rows, num_rows))
-    poison = poison_of_row_max(statistics.max_abs)
-  return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32), poison,
-          statistics)
+  return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32),
+          index_poison(row_max, stray), stray, statistics)
 
 
 def largest_rows(rows: Array, top_n: int, statistics: RowStatistics) -> Array:
@@ -186,7 +193,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     threshold: a row is active when its max ``|value|`` exceeds this.
     overflow: one of :data:`OVERFLOW_MODES`.
     active_rows: optional ``int32[K]`` index of the rows that may be active (sorted, padded
-      with T), ``K >= 1``: the others count as inactive.
+      with T), ``K >= 1``: the others must be inactive; one that is not makes dW, db and
+      its row of dX NaN (:func:`stray_rows`).
     finite_x_rows: optional ``bool[T]``, whether each row of x is finite: a row that is not
       and that the backward skips makes all of dW NaN, where jax.grad's dW = xᵀ·dY has NaN
       (0 * Inf) in the rows of the features that are not finite (None: x is not checked).
@@ -203,6 +211,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   """
   num_rows, in_features = x.shape
   overflowed = None  # NaN where "nan" overflowed: dX too misses the rows left out.
+  stray = None  # Rows the index left out that are not zero: dX misses them.
   if top_n == "auto":
     overflow = "exact"  # Its last capacity holds every row: nothing can overflow.
   num_candidates = num_rows if active_rows is None else active_rows.shape[0]
@@ -232,7 +241,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     size = (max([c for c in plan if c < num_rows] or [1])
             if active_rows is None and not counted else num_candidates)
     overflows = overflow != "exact" and plan[0] < num_candidates
-    rows, active, count, poison, statistics = candidate_rows(
+    rows, active, count, poison, stray, statistics = candidate_rows(
         dy, threshold=threshold, active_rows=active_rows, size=size,
         check_listed=len(plan) > 1 or overflows or row_log is not None)
     if overflows:
@@ -281,6 +290,10 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
     dx, dkernel, dbias = lax.switch(branch, [functools.partial(run_at, c) for c in plan])
   if overflowed is not None:
     dx = dx + overflowed.astype(dx.dtype)
+  if stray is not None:
+    # NaN in those rows, as jax.grad's dX has for a NaN row of dY: it reaches the layers
+    # below, whose index leaves the rows out too.
+    dx = jnp.where(stray[:, None], jnp.nan, dx)
   kept = lambda: rows_mask(rows, num_rows) if active is None else active
   if finite_x_rows is not None:
     skipped_not_finite = jnp.any(~finite_x_rows & ~kept())
@@ -353,7 +366,7 @@ def embedding_rows(ids: Array, dy: Array, *, num_embeddings: int, top_n: int | s
     rows = select_from_scores(statistics.scores, statistics.active, capacity)
     count, poison = None, None
   else:
-    rows, _, count, poison, statistics = candidate_rows(
+    rows, _, count, poison, _, statistics = candidate_rows(
         dy, threshold=threshold, active_rows=active_rows, size=num_candidates,
         check_listed=capacity < num_candidates or row_log is not None)
     if overflow == "drop" and capacity < rows.shape[0]:

@@ -16,8 +16,9 @@ for an implementation that keeps every row). It returns
 
 summed in :func:`accumulation_dtype` and rounded once: each matmul stores its own output
 dtype, since a cast of a float32 result would be a pass of its own. ``poison``, a float32
-scalar that is 0 or NaN (or None), must reach dkernel and dbias, and not dx (a NaN in a row
-left out is not the kept rows').
+scalar that is 0 or NaN (or None), must reach dkernel and dbias, and not dx (a NaN or an
+active row that the index left out is not the kept rows': linear_backward makes its own row
+of dx NaN).
 
 Registered here:
 

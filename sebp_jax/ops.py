@@ -256,12 +256,13 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       takes that path too on GPU, for 16-bit operands, where the cost model predicts it
       ahead of the branch.
     active_rows: optional ``int32[K]`` index of the rows that may be active, sorted and padded
-      with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`); rows not
-      listed count as inactive, so that several layers can share one selection from a token
-      mask. ``top_n`` and ``overflow`` apply to the listed active rows. dY is still read once,
-      so that a NaN/Inf in an unlisted row makes dW and db NaN rather than vanish; and a
-      NaN/Inf of x in a row that the backward skips makes dW NaN (jax.grad's dW has NaN
-      there too, 0 * Inf, in that feature's row; this one in all of dW).
+      with the sentinel ``T`` (e.g. from :func:`sebp_jax.active_rows_from_mask`), so that
+      several layers can share one selection from a token mask: the backward reads the
+      listed rows only, and ``top_n`` and ``overflow`` apply to the listed active rows. The
+      rows not listed must be inactive: dY is still read once, so that a NaN/Inf or an active
+      row (above ``threshold``) among them makes dW, db and its row of dX NaN rather than
+      vanish; and a NaN/Inf of x in a row that the backward skips makes dW NaN (jax.grad's
+      dW has NaN there too, 0 * Inf, in that feature's row; this one in all of dW).
     dtype: the compute dtype, as ``nn.Dense``'s ``dtype``: x, kernel and bias are cast to it
       (None: to their promoted type, as ``flax.linen.dtypes.promote_dtype`` does).
     row_log: optional hashable callable, e.g. ``RowLog().for_layer(name)``

@@ -12,8 +12,8 @@ from jax.extend.core import jaxprs_in_params
 
 from sebp_jax import RowLog, cost_model
 from sebp_jax import backward as backward_module
-from sebp_jax.backward import (capacities, embedding_rows, linear_backward, scatter_into_table,
-                               nan_if_not_finite)
+from sebp_jax.backward import (capacities, embedding_rows, index_poison, linear_backward,
+                               row_max_abs, scatter_into_table, stray_rows)
 from sebp_jax.selection import capacity_ladder
 from tests.model_testing import branches
 from tests.reference import (random_sparse_rows, reference_active_rows, reference_backward,
@@ -46,12 +46,28 @@ def _assert_grads_of_rows(grads, x, kernel, dy, rows, tolerance=1e-5):
     assert relative_error(got, want) <= tolerance
 
 
-def test_nan_if_not_finite():
-  assert nan_if_not_finite(jnp.ones((3, 4))) == 0
-  assert np.isnan(nan_if_not_finite(jnp.ones((3, 4)).at[2, 1].set(jnp.inf)))
-  assert np.isnan(nan_if_not_finite(jnp.ones((3, 4)).at[0, 3].set(-jnp.nan)))
+def test_index_poison_and_stray_rows():
+  """Stray: a row the index leaves out that is above the threshold or not finite. The poison
+  of dW and db: NaN for a NaN/Inf anywhere or a stray row; 0 where the rows left out are
+  zero (or below the threshold)."""
+  listed = jnp.array([True, False, True])
+
+  def check(dy, stray, threshold=0.0):
+    row_max = row_max_abs(dy)
+    got = stray_rows(row_max, listed, threshold)
+    np.testing.assert_array_equal(got, [False, stray, False])
+    return index_poison(row_max, got)
+
+  dy = jnp.ones((3, 4)).at[1].set(0)
+  assert check(dy, False) == 0
+  assert np.isnan(check(dy.at[2, 1].set(jnp.inf), False))
+  assert np.isnan(check(dy.at[0, 3].set(-jnp.nan), False))
+  assert np.isnan(check(dy.at[1, 3].set(-jnp.nan), True))
+  assert np.isnan(check(dy.at[1, 2].set(-1e-3), True))
+  assert check(dy.at[1, 2].set(-1e-3), False, threshold=1e-3) == 0
+  assert index_poison(jnp.zeros((0,)), jnp.zeros((0,), bool)) == 0
   if jax.config.jax_enable_x64:
-    assert nan_if_not_finite(jnp.full((2, 2), 1e300, jnp.float64)) == 0
+    assert check(jnp.full((3, 2), 1e300, jnp.float64).at[1].set(0), False) == 0
 
 
 def test_capacities():
@@ -229,15 +245,28 @@ def test_threshold_means_the_same_at_every_capacity_and_with_an_index(options):
 
 
 def test_an_index_limits_the_active_rows():
-  x, kernel, dy = _problem(5, num_nonzero=30)
-  index = jnp.array([2, 7, 30, 41, NUM_ROWS, NUM_ROWS], jnp.int32)
-  for options in (dict(top_n="auto"), dict(top_n=2), dict(top_n=2, overflow="drop")):
-    grads = _backward(x, kernel, dy, active_rows=index, **options)
-    rows = [2, 7, 30, 41]
+  """The backward reads the listed rows only; a row the index leaves out that is not zero
+  (the index's promise broken: a loss reading padding) makes dW and db NaN, whatever the
+  capacity and overflow, never a gradient silently without it."""
+  x, kernel, dy = _problem(5, num_nonzero=NUM_ROWS)
+  rows = [2, 7, 30, 41]
+  index = jnp.array([*rows, NUM_ROWS, NUM_ROWS], jnp.int32)
+  listed_only = jnp.zeros_like(dy).at[jnp.array(rows)].set(dy[jnp.array(rows)])
+  for options in (dict(top_n="auto"), dict(top_n=2), dict(top_n=2, overflow="drop"),
+                  dict(top_n=6, threshold=0.1)):
+    grads = _backward(x, kernel, listed_only, active_rows=index, **options)
+    kept = rows
     if options.get("overflow") == "drop":
       norms = np.linalg.norm(np.asarray(dy)[rows], axis=1)
-      rows = sorted(np.asarray(rows)[np.argsort(-norms, kind="stable")[:2]])
-    _assert_grads_of_rows(grads, x, kernel, dy, rows)
+      kept = sorted(np.asarray(rows)[np.argsort(-norms, kind="stable")[:2]])
+    _assert_grads_of_rows(grads, x, kernel, listed_only, kept)
+    _, dkernel, dbias = _backward(x, kernel, listed_only.at[5, 3].set(0.5), active_rows=index,
+                                  **options)
+    assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+  # Below the threshold, a row left out is noise, as any inactive row.
+  grads = _backward(x, kernel, listed_only.at[5, 3].set(0.05), active_rows=index, top_n=6,
+                    threshold=0.1)
+  _assert_grads_of_rows(grads, x, kernel, listed_only, rows)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas", "dense"])
@@ -308,14 +337,15 @@ def test_embedding_backward_scatters_the_kept_rows(options):
 def test_embedding_backward_with_an_index():
   rng = np.random.default_rng(9)
   ids = jnp.asarray(rng.integers(0, 7, 30), jnp.int32)
-  dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 30))
+  dy = jnp.asarray(random_sparse_rows(rng, 30, 4, 30)).at[2:].set(0)
   index = jnp.array([0, 1, 30], jnp.int32)
   d_table = _table_gradient(ids, dy, num_embeddings=7, top_n=3, active_rows=index)
   np.testing.assert_allclose(d_table, reference_table_grad(7, np.asarray(ids), dy, [0, 1]),
                              rtol=1e-6, atol=1e-6)
-  poisoned = _table_gradient(ids, dy.at[20, 0].set(jnp.nan), num_embeddings=7, top_n=3,
-                                active_rows=index)
-  assert np.all(np.isnan(poisoned))
+  for unlisted in (jnp.nan, 0.25):  # Not finite, or not zero: the index's promise broken.
+    poisoned = _table_gradient(ids, dy.at[20, 0].set(unlisted), num_embeddings=7, top_n=3,
+                               active_rows=index)
+    assert np.all(np.isnan(poisoned))
   overflowed = _table_gradient(ids, dy, num_embeddings=7, top_n=1, overflow="nan",
                                   active_rows=index)
   assert np.all(np.isnan(overflowed))

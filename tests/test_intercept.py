@@ -375,6 +375,40 @@ def test_a_head_on_other_rows_than_the_mask_stays_dense():
   assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
 
 
+class MeanOverEveryPosition(nn.Module):
+  """Pools every position, padding included: its padding rows of dY are not zero."""
+  @nn.compact
+  def __call__(self, ids):
+    h = nn.tanh(nn.Dense(8)(nn.Embed(20, 8)(ids)))
+    pooled = nn.tanh(nn.Dense(8)(h)).mean(axis=1)
+    return nn.Dense(2, name="head")(pooled)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "dense"])
+def test_a_loss_that_reads_padding_makes_the_gradients_nan(backend):
+  """A model that breaks the mask's promise (a pooling over padding) would lose padding's
+  gradient rows: each layer on the index finds them in its read of dY and makes its dW, db
+  and those rows of dX NaN, so every gradient below turns NaN, the table's too, for a
+  concrete and a traced mask and any capacity; the head, on other rows, stays exact."""
+  rng = np.random.default_rng(11)
+  ids = jnp.asarray(rng.integers(1, 20, (4, 6)), jnp.int32)
+  mask = np.arange(6)[None] < np.array([[2], [6], [3], [1]])
+  model = MeanOverEveryPosition()
+  params = model.init(jax.random.key(0), ids)
+
+  def loss(params, mask, top_n):
+    with use_sebp(top_n=top_n, active_mask=mask, backend=backend):
+      return jnp.sum(model.apply(params, ids) ** 2)
+
+  dense = jax.grad(lambda params: jnp.sum(model.apply(params, ids) ** 2))(params)
+  for top_n, traced in (("auto", False), (16, False), (16, True)):
+    grads = (jax.jit(jax.grad(loss), static_argnums=2)(params, jnp.asarray(mask), top_n)
+             if traced else jax.grad(loss)(params, mask, top_n))["params"]
+    for layer in ("Embed_0", "Dense_0", "Dense_1"):
+      assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(grads[layer])), layer
+    assert_every_gradient_close(grads["head"], dense["params"]["head"])
+
+
 def test_contexts_do_not_nest_and_an_unused_mask_is_loud():
   x = jnp.ones((2, 3, 5))
   params = PlainMLP().init(jax.random.key(0), x, jnp.ones((2, 3)))

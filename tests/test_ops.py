@@ -287,6 +287,8 @@ def test_property_gradients_match_reference(lead, in_features, out_features, dat
 
 
 def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
+  """A NaN/Inf, or any value not zero, in a row the index leaves out makes dW and db NaN and
+  that row's dX (as jax.grad's for a NaN row); the kept rows' dX is theirs alone."""
   rng = np.random.default_rng(12)
   x, kernel, bias, g = _problem(rng, (16,), 6, 5, num_nonzero=4)
   kept = np.flatnonzero(g.any(axis=1))
@@ -304,12 +306,13 @@ def test_nan_in_a_row_outside_a_given_index_poisons_dkernel_and_dbias():
     ref = reference_backward(x, kernel, bad, kept)
     for got, want in zip(clean, ref):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    bad[skipped, 1] = np.nan
-    poisoned = grads(bad, overflow)
-    assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
-    np.testing.assert_array_equal(poisoned[0], clean[0])  # The kept rows' dX is theirs alone.
-    bad[skipped, 1] = np.inf
-    assert np.isnan(np.asarray(grads(bad, overflow)[1])).all()
+    others = np.arange(16) != skipped
+    for value in (np.nan, np.inf, -0.5):
+      bad[skipped, 1] = value
+      poisoned = grads(bad, overflow)
+      assert np.isnan(np.asarray(poisoned[1])).all() and np.isnan(np.asarray(poisoned[2])).all()
+      assert np.isnan(np.asarray(poisoned[0])[skipped]).all()
+      np.testing.assert_array_equal(np.asarray(poisoned[0])[others], np.asarray(clean[0])[others])
 
 
 @pytest.mark.parametrize("options", [
