@@ -79,6 +79,22 @@ _LM_HEAD = re.compile(LM_HEAD)
 DEFAULT_EXCLUDE = rf"(^|/)(pooler|classifier|score|qa_outputs)(/|$)|{LM_HEAD}"
 
 
+def validate_switch(value: Any, name: str) -> bool:
+  """``value`` as a bool, or ValueError naming ``name``: a string such as "False" would be
+  true."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+  return bool(value)
+
+
+def _compiled_pattern(pattern: Any, name: str) -> re.Pattern:
+  try:
+    return re.compile(pattern)
+  except (TypeError, re.error) as error:
+    raise ValueError(f"{name} must be a regular expression (a str), got {pattern!r}: "
+                     f"{error}") from None
+
+
 @dataclasses.dataclass
 class SEBPReport:
   """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``).
@@ -181,13 +197,13 @@ class SEBPContext:
     self.top_n = top_n
     self.row_log = row_log
     self.threshold = validate_threshold(threshold)
-    self.include = re.compile(include)
-    self.exclude = re.compile(exclude) if exclude else None
-    self.lm_head = lm_head
+    self.include = _compiled_pattern(include, "include")
+    self.exclude = None if exclude in (None, "") else _compiled_pattern(exclude, "exclude")
+    self.lm_head = validate_switch(lm_head, "lm_head")
     self.active_mask = validate_active_mask(active_mask)
     self.backend = validate_backend(backend)
-    self.embeddings = embeddings
-    self.require_swaps = require_swaps
+    self.embeddings = validate_switch(embeddings, "embeddings")
+    self.require_swaps = validate_switch(require_swaps, "require_swaps")
     self.batch_axes = normalize_batch_axes(batch_axes)
     self.mesh = mesh
     if mesh is not None and self.batch_axes is None:

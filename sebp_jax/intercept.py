@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from sebp_jax import model_families
 from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
-                              SEBPReport, record)
+                              SEBPReport, record, validate_switch)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
                              sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
@@ -169,6 +169,7 @@ class use_sebp(SEBPContext):
                      active_mask=active_mask, backend=backend, embeddings=embeddings,
                      lm_head=lm_head, row_log=row_log, require_swaps=require_swaps,
                      batch_axes=batch_axes, mesh=mesh)
+    packed = validate_switch(packed, "packed")
     if packed and active_mask is None:
       raise ValueError("use_sebp(packed=True) needs active_mask: the [B, L] mask of the real "
                        "tokens to pack")

@@ -56,7 +56,11 @@ def module_path(module: nn.Module) -> str:
 
 
 def _log_entry(row_log: RowLog | None, module: nn.Module):
-  return None if row_log is None else row_log.for_layer(module_path(module))
+  if row_log is None:
+    return None
+  if not isinstance(row_log, RowLog):
+    raise ValueError(f"row_log must be a sebp_jax.RowLog, got {type(row_log).__name__}")
+  return row_log.for_layer(module_path(module))
 
 
 def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str,
@@ -99,6 +103,8 @@ def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float | str
                     batch_axes=None, mesh=None) -> Array:
   """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
   (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
+  if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
+    raise ValueError("Input type must be an integer or unsigned integer.")  # nn.Embed's.
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
     return jnp.broadcast_to(jnp.asarray(table, dtype), jnp.shape(inputs) + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),

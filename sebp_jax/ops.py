@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 
 import jax
@@ -38,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from sebp_jax.backward import (OVERFLOW_MODES, embedding_kept_count, embedding_rows,
                                linear_backward, scatter_into_table, sum_rows_of_equal_ids)
 from sebp_jax.implementations import implementation_names
+from sebp_jax.selection import validate_threshold, validate_top_n
 from sebp_jax.sharding import (RowSharding, gather_row_shards, map_row_shards,
                                normalize_batch_axes, row_sharding, vary_alike)
 
@@ -54,21 +54,6 @@ SEBP_CHECKPOINT_NAME = "sebp_linear"
 # ---------------------------------------------------------------------------------------------
 
 
-def validate_top_n(top_n: Any, name: str = "top_n") -> int:
-  """``top_n`` as a Python int, or ValueError saying what was expected."""
-  if isinstance(top_n, jax.core.Tracer):
-    raise ValueError(
-        f"{name} must be a static positive Python int, got a traced value {top_n!r}: it fixes "
-        "the shapes of the backward, so it cannot depend on data (pass it as a static argument "
-        "of jit, or compute it from array shapes).")
-  if isinstance(top_n, (bool, np.bool_)) or not isinstance(top_n, numbers.Integral):
-    raise ValueError(f"{name} must be a positive Python int, got {top_n!r} "
-                     f"of type {type(top_n).__name__}")
-  if top_n <= 0:
-    raise ValueError(f"{name} must be a positive Python int, got {top_n}")
-  return int(top_n)
-
-
 def validate_capacity(top_n: Any) -> int | str:
   """``top_n`` as ``"auto"`` or a positive Python int, or ValueError saying what was expected."""
   if isinstance(top_n, str) and top_n == "auto":
@@ -80,15 +65,6 @@ def validate_overflow(overflow: Any) -> str:
   if overflow not in OVERFLOW_MODES:
     raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
   return overflow
-
-
-def validate_threshold(threshold: Any) -> float:
-  """``threshold`` as a Python float, or ValueError saying what was expected."""
-  if (isinstance(threshold, (bool, np.bool_, jax.core.Tracer))
-      or not isinstance(threshold, numbers.Real)
-      or not math.isfinite(threshold) or threshold < 0):
-    raise ValueError(f"threshold must be a finite non-negative Python float, got {threshold!r}")
-  return float(threshold)
 
 
 def validate_backend(backend: Any) -> str:

@@ -23,10 +23,13 @@ sorted, so the same dY always yields the same ``active_rows`` and the same summa
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+import numbers
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -41,6 +44,31 @@ def score_dtype(dtype) -> jnp.dtype:
 def row_magnitudes(dy: Array) -> Array:
   """``|dy|`` in :func:`score_dtype`; a complex entry's modulus, imaginary part included."""
   return jnp.abs(dy).astype(score_dtype(dy.dtype))
+
+
+def validate_top_n(top_n: Any, name: str = "top_n", allow_zero: bool = False) -> int:
+  """``top_n`` as a Python int, or ValueError saying what was expected."""
+  what = "non-negative" if allow_zero else "positive"
+  if isinstance(top_n, jax.core.Tracer):
+    raise ValueError(
+        f"{name} must be a static {what} Python int, got a traced value {top_n!r}: it fixes "
+        "the shapes of the backward, so it cannot depend on data (pass it as a static argument "
+        "of jit, or compute it from array shapes).")
+  if isinstance(top_n, (bool, np.bool_)) or not isinstance(top_n, numbers.Integral):
+    raise ValueError(f"{name} must be a {what} Python int, got {top_n!r} "
+                     f"of type {type(top_n).__name__}")
+  if top_n < (0 if allow_zero else 1):
+    raise ValueError(f"{name} must be a {what} Python int, got {top_n}")
+  return int(top_n)
+
+
+def validate_threshold(threshold: Any) -> float:
+  """``threshold`` as a Python float, or ValueError saying what was expected."""
+  if (isinstance(threshold, (bool, np.bool_, jax.core.Tracer))
+      or not isinstance(threshold, numbers.Real)
+      or not math.isfinite(threshold) or threshold < 0):
+    raise ValueError(f"threshold must be a finite non-negative Python float, got {threshold!r}")
+  return float(threshold)
 
 
 class RowStatistics(NamedTuple):
@@ -76,7 +104,7 @@ def row_scores(dy: Array, threshold: float) -> tuple[Array, Array]:
     for a row holding NaN or Inf and ``-1`` for an inactive row; ``active`` is True for a row
     whose max ``|value|`` exceeds ``threshold`` or that is not finite.
   """
-  statistics = row_statistics(dy, threshold)
+  statistics = row_statistics(dy, validate_threshold(threshold))
   return statistics.scores, statistics.active
 
 
@@ -87,7 +115,9 @@ def select_active_rows(dy: Array, top_n: int, threshold: float = 0.0) -> Array:
     ``active_rows: int32[top_n]``, the kept row indices in ascending order, followed by the
     sentinel ``T`` in every unused slot.
   """
-  return select_from_scores(*row_scores(dy, threshold), top_n)
+  if jnp.ndim(dy) != 2:
+    raise ValueError(f"dy must be [rows, features], got shape {jnp.shape(dy)}")
+  return select_from_scores(*row_scores(dy, threshold), validate_top_n(top_n))
 
 
 def select_from_scores(scores: Array, active: Array, top_n: int) -> Array:
@@ -130,5 +160,6 @@ def active_rows_from_mask(mask: Array, top_n: int) -> Array:
     must cover the real tokens of the batch for an exact gradient.
   """
   flat = jnp.reshape(mask, (-1,)) != 0
-  (rows,) = jnp.nonzero(flat, size=top_n, fill_value=flat.shape[0])
+  size = validate_top_n(top_n, allow_zero=True)  # An empty batch's index is empty.
+  (rows,) = jnp.nonzero(flat, size=size, fill_value=flat.shape[0])
   return rows.astype(jnp.int32)

@@ -251,6 +251,15 @@ def test_bad_arguments():
     use_sebp(top_n=4, threshold=-1.0)
   with pytest.raises(ValueError, match="backend"):
     use_sebp(top_n=4, backend="cuda")
+  # A string is truthy: "False" would have turned the switch on.
+  for switch in ("lm_head", "embeddings", "packed", "require_swaps"):
+    with pytest.raises(ValueError, match=f"{switch} must be True or False, got 'False'"):
+      use_sebp(**{switch: "False"})
+  for pattern in ("include", "exclude"):
+    for bad in ("[", 5):
+      with pytest.raises(ValueError, match=f"{pattern} must be a regular expression"):
+        use_sebp(**{pattern: bad})
+  assert use_sebp(exclude="").exclude is None
 
 
 class ScanBlock(nn.Module):

@@ -219,3 +219,15 @@ def test_top_n_defaults_to_auto_and_custom_dot_general_is_rejected():
   layer = SEBPDense(4, top_n=2, dot_general=jax.lax.dot_general)
   with pytest.raises(ValueError, match="dot_general"):
     layer.init(jax.random.key(0), jnp.ones((2, 3)))
+
+
+def test_a_row_log_and_ids_of_the_wrong_kind_raise():
+  """As nn.Embed, a one-row table takes integer ids only; a row log must be a RowLog."""
+  with pytest.raises(ValueError, match="Input type must be an integer"):
+    nn.Embed(1, 3).init(jax.random.key(0), jnp.zeros((2,)))
+  with pytest.raises(ValueError, match="Input type must be an integer"):
+    SEBPEmbed(1, 3).init(jax.random.key(0), jnp.zeros((2,)))
+  for layer, inputs in ((SEBPDense(4, row_log="log"), jnp.ones((2, 3))),
+                        (SEBPEmbed(5, 3, row_log=1), jnp.zeros((2,), jnp.int32))):
+    with pytest.raises(ValueError, match="row_log must be a sebp_jax.RowLog"):
+      layer.init(jax.random.key(0), inputs)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sebp_jax import row_scores, select_active_rows
+from sebp_jax import active_rows_from_mask, row_scores, select_active_rows
 from tests.reference import random_sparse_rows, reference_active_rows
 
 
@@ -80,3 +80,22 @@ def test_complex_rows_count_their_imaginary_parts():
   np.testing.assert_allclose(scores, [-1, 9, 2, -1], rtol=1e-6)
   np.testing.assert_array_equal(select_active_rows(dy, 1), [1])
   np.testing.assert_array_equal(reference_active_rows(dy, 1), [1])
+
+
+def test_bad_arguments_raise_naming_them():
+  """A NaN threshold would count every finite row inactive (an index of none, dW zero):
+  the public selection checks its arguments as the ops do."""
+  dy = jnp.ones((4, 3))
+  for threshold in (np.nan, -1.0, True):
+    with pytest.raises(ValueError, match="threshold must be a finite non-negative"):
+      select_active_rows(dy, 2, threshold=threshold)
+    with pytest.raises(ValueError, match="threshold must be a finite non-negative"):
+      row_scores(dy, threshold)
+  for top_n in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match="top_n must be a positive Python int"):
+      select_active_rows(dy, top_n)
+  with pytest.raises(ValueError, match=r"dy must be \[rows, features\]"):
+    select_active_rows(jnp.ones(4), 2)
+  with pytest.raises(ValueError, match="top_n must be a non-negative Python int"):
+    active_rows_from_mask(np.ones((2, 3)), -1)
+  assert active_rows_from_mask(np.zeros((0, 3)), 0).shape == (0,)
