@@ -15,7 +15,8 @@ stays on one device. ``--compiler-option NAME=VALUE`` passes an XLA option to th
 compile.
 
 Prints the loss and the dev accuracy of both runs, their largest per-step loss difference and
-the backward- and gradient-time ratios, and writes ``loss_curves.png`` and ``summary.json`` under ``--out``.
+the backward- and gradient-time ratios, and writes ``loss_curves.png`` and ``summary.json``
+under ``--out``.
 From the repository root:
 
     python -m examples.finetune_bert_sst2            # the default run (the README's demo)

@@ -124,8 +124,9 @@ class use_sebp(SEBPContext):
       heads) keep what the other options say. Exact under the conditions of the shared
       index: the outputs are read at real tokens only. Any mask layout works (left padding,
       holes), but a head that reads each row's first column (BERT's pooler) needs a real
-      token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real tokens than ``top_n`` is never cut: a concrete mask
-      raises at once, and under ``jit`` the packed outputs are NaN. Pick ``top_n`` on the
+      token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real
+      tokens than ``top_n`` is never cut: a concrete mask raises at once, and under ``jit``
+      the packed outputs are NaN. Pick ``top_n`` on the
       host with :func:`sebp_jax.token_capacity` and pass it to the jitted step as a static
       argument. Dropout draws its random masks on the packed rows, so they fall elsewhere
       than in the padded batch; the attention probabilities are then materialised (no fused
