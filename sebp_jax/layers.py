@@ -104,7 +104,7 @@ def sebp_embed_call(module: nn.Embed, inputs: Array, *, top_n: int | float | str
   """``nn.Embed.__call__`` of ``module`` with :func:`sebp_embed_lookup` in place of the take."""
   (table,), dtype = promotion_for_sebp(module, module.embedding, inexact=False)
   if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
-    raise ValueError("Input type must be an integer or unsigned integer.")  # nn.Embed's.
+    raise ValueError(f"ids must be integer token ids, got dtype {jnp.result_type(inputs)}")
   if module.num_embeddings == 1:  # nn.Embed broadcasts its single row: nothing to select.
     return jnp.broadcast_to(jnp.asarray(table, dtype), jnp.shape(inputs) + (module.features,))
   return sebp_embed_lookup(table, inputs, top_n=resolve_top_n(top_n, inputs.size),

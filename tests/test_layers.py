@@ -225,7 +225,7 @@ def test_a_row_log_and_ids_of_the_wrong_kind_raise():
   """As nn.Embed, a one-row table takes integer ids only; a row log must be a RowLog."""
   with pytest.raises(ValueError, match="Input type must be an integer"):
     nn.Embed(1, 3).init(jax.random.key(0), jnp.zeros((2,)))
-  with pytest.raises(ValueError, match="Input type must be an integer"):
+  with pytest.raises(ValueError, match="ids must be integer token ids"):
     SEBPEmbed(1, 3).init(jax.random.key(0), jnp.zeros((2,)))
   for layer, inputs in ((SEBPDense(4, row_log="log"), jnp.ones((2, 3))),
                         (SEBPEmbed(5, 3, row_log=1), jnp.zeros((2,), jnp.int32))):
