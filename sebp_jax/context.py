@@ -32,7 +32,7 @@ from sebp_jax.ops import (validate_backend, validate_capacity, validate_overflow
 from sebp_jax.report import RowLog
 from sebp_jax.selection import active_rows_from_mask, capacity_ladder
 from sebp_jax.sharding import (RowSharding, map_row_shards, normalize_batch_axes, row_sharding,
-                               shard_row_counts, vary_alike)
+                               shard_row_counts, validate_mesh, vary_alike)
 
 logger = logging.getLogger("sebp_jax")
 
@@ -205,7 +205,7 @@ class SEBPContext:
     self.embeddings = validate_switch(embeddings, "embeddings")
     self.require_swaps = validate_switch(require_swaps, "require_swaps")
     self.batch_axes = normalize_batch_axes(batch_axes)
-    self.mesh = mesh
+    self.mesh = validate_mesh(mesh)
     if mesh is not None and self.batch_axes is None:
       raise ValueError("use_sebp(mesh=...) names the mesh of batch_axes: give batch_axes too")
     self.reset()
@@ -274,9 +274,16 @@ class SEBPContext:
             self.backend, self.embeddings, self.row_log, self.batch_axes, self.mesh,
             self._mask_key_value)
 
+  def layers_key(self) -> Any:
+    """What of the model the context's report depends on beyond :meth:`jit_key`, where it is
+    known on entering: None here, where the report grows as layers are traced."""
+    return None
+
   def _reusable_key(self) -> tuple | None:
     mask_key = self._mask_key_value
-    return None if mask_key is not None and mask_key[0] == "traced" else self._jit_key_value
+    if mask_key is not None and mask_key[0] == "traced":
+      return None
+    return self._jit_key_value, self.layers_key()
 
   def remember_or_reuse_report(self) -> bool:
     """On exit: remembers this context's report when it traced layers; when it traced none,

@@ -382,6 +382,10 @@ class use_sebp(SEBPContext):
       return "einsum", row_map
     return "einsum", (row_map, einsum)
 
+  def layers_key(self) -> tuple:
+    """The layers this context swapped: a report traced for another model is not this one's."""
+    return tuple(self.report.swapped), tuple(self.report.embeddings)
+
   def run_layer(self, module: nnx.Module, swap: LayerSwap, inputs: Array) -> Array:
     """The forward of a swapped layer: its computation through the SEBP op on the rows and
     capacity this context gives it (dense where it gives none)."""
@@ -465,8 +469,20 @@ class use_sebp(SEBPContext):
     self._restore()
     self.deactivate()
     # No layer ran when a jitted step compiled before, under an equal context, ran.
-    if exc_type is None and not self.remember_or_reuse_report() and self.layers_seen:
+    if exc_type is not None or self.remember_or_reuse_report():
+      return
+    if self.layers_seen:
       self.check_swaps("linear layer", "")
+    elif self.require_swaps and (self.report.swapped or self.report.embeddings):
+      swapped = len(self.report.swapped) + len(self.report.embeddings)
+      raise RuntimeError(
+          f"use_sebp swapped {swapped} layers of the model it was given, but none of them ran "
+          "in the context: the model that ran was another one, or a copy. nnx.grad, nnx.jit "
+          "and the other transforms hand the traced function a copy of the model, so enter "
+          "use_sebp on the model that function received (loss_fn(model) with "
+          "use_sebp(model)), not on one from outside it. Or the model was not called in the "
+          "context, or what ran there was compiled before elsewhere (a program compiled "
+          "ahead of time).")
 
 
 # Per thread, the active use_packed_attention (the class swap is seen by every thread).

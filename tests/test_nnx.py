@@ -336,7 +336,26 @@ def test_bad_use_is_loud():
   with pytest.raises(RuntimeError, match="matched no layer"):
     with sebp_nnx.use_sebp(model, active_mask=mask.T):
       model(ids)
-  with sebp_nnx.use_sebp(model):
+  # nnx.grad hands the loss a copy: a context on the model outside it would leave the copy
+  # dense while its report lists the outer model's layers.
+  def loss_on_the_outer_model(copy):
+    with sebp_nnx.use_sebp(model, active_mask=mask):
+      return _masked_loss(copy, ids, mask)
+  with pytest.raises(RuntimeError, match="none of them ran in the context"):
+    nnx.grad(loss_on_the_outer_model)(model)
+  # Options no other test uses: an equal context whose step compiled before would lend its
+  # report (a cached program runs no layer).
+  with pytest.raises(RuntimeError, match="none of them ran in the context"):
+    with sebp_nnx.use_sebp(model, threshold=0.125):
+      pass
+  # Nor does a context on another model take the report of one whose layers ran.
+  with sebp_nnx.use_sebp(model, threshold=0.375):
+    model(ids)
+  with pytest.raises(RuntimeError, match="none of them ran in the context"):
+    with sebp_nnx.use_sebp(nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0))),
+                           threshold=0.375):
+      pass
+  with sebp_nnx.use_sebp(model, require_swaps=False):
     kept = nnx.merge(*nnx.split(model.blocks))  # a copy of swapped layers, kept past it
   # Outside its context a swapped layer runs its own forward.
   run = nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
