@@ -114,6 +114,23 @@ def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
   return mesh, first
 
 
+def validate_mesh(mesh: Any) -> Any:
+  """``mesh`` where it is None or a mesh (``jax.sharding.Mesh`` or ``AbstractMesh``), else
+  ValueError."""
+  if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} {mesh!r}")
+  return mesh
+
+
+def _mesh_axis_size(mesh: Any, axis: str) -> int:
+  """The devices along ``axis`` of ``mesh``, or ValueError naming what is wrong."""
+  if validate_mesh(mesh) is None:
+    raise ValueError("mesh must be a jax.sharding.Mesh, got None")
+  if axis not in mesh.shape:
+    raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh.shape[axis]
+
+
 def _mesh_for(mesh: Any, batch_axes: tuple[str, ...]) -> Any:
   """``mesh``, else the one of ``jax.set_mesh``, checked to have ``batch_axes``."""
   mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -137,6 +154,7 @@ def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
   the first dimension where the types do not tell (an ``Auto`` mesh). Under an ``Explicit``
   mesh the type tells, and ``batch_axes`` must agree with it.
   """
+  validate_mesh(mesh)
   if num_row_dims < 1:
     return None
   type_mesh, explicit_axes = _explicit_row_axes(x)
@@ -430,8 +448,7 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     ``loss(params, batch) -> scalar``: the whole batch's loss, for params laid out as
     ``param_specs`` and a batch split over ``axis``; its gradient is laid out as the params.
   """
-  if axis not in mesh.shape:
-    raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  _mesh_axis_size(mesh, axis)
   if not (isinstance(lookups_in_place, bool) or lookups_in_place == "auto"):
     raise ValueError(f"lookups_in_place must be 'auto', True or False, got {lookups_in_place!r}")
   split = P(axis)
@@ -477,13 +494,11 @@ def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
   every matrix by its rows, as it does an NNX model's (``fsdp_loss`` computes a split head in
   place for Linen models only).
   """
-  if axis not in mesh.shape:
-    raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  devices = _mesh_axis_size(mesh, axis)
   if isinstance(heads, str):
     raise ValueError(f"heads must be a tuple of module names, got the string {heads!r}")
   if head_rows is not None and head_rows <= 0:
     raise ValueError(f"head_rows must be a positive int or None, got {head_rows!r}")
-  devices = mesh.shape[axis]
 
   def spec(path, param):
     names = [getattr(key, "key", getattr(key, "name", None)) for key in path]

@@ -16,7 +16,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from sebp_jax import RowLog, sebp_embed_lookup, sebp_linear, token_capacity, use_sebp
+from sebp_jax import (RowLog, pack_decoder_inputs, sebp_embed_lookup, sebp_linear, token_capacity,
+                      use_sebp)
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.backward import scatter_into_table, sum_rows_of_equal_ids
 from sebp_jax.losses import causal_lm_target_count, linear_cross_entropy, masked_causal_lm_loss
@@ -517,6 +518,14 @@ def test_errors_name_the_argument():
     sebp_linear(x, kernel, batch_axes=3, mesh=mesh)
   with pytest.raises(ValueError, match="give batch_axes too"):
     use_sebp(mesh=mesh)
+  # A mesh's shape, axis names or devices in place of the mesh.
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got dict"):
+    use_sebp(batch_axes="data", mesh=dict(mesh.shape))
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got tuple"):
+    sebp_linear(x, kernel, batch_axes="data", mesh=mesh.axis_names)
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got ndarray"):
+    pack_decoder_inputs(jnp.ones((BATCH, LENGTH), jnp.int32), jnp.ones((BATCH, LENGTH)), 64,
+                        batch_axes="data", mesh=mesh.devices)
   explicit = _mesh(AxisType.Explicit, (2, 2), ("data", "model"))
   with jax.set_mesh(explicit):
     split = jax.device_put(x, NamedSharding(explicit, P("data")))
@@ -778,6 +787,10 @@ def test_fsdp_loss_errors_name_the_argument():
     fsdp_loss(loss, mesh, {"kernel": P("data", "data")})
   with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
     fsdp_loss(loss, mesh, P("data"), axis="model")
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got str"):
+    fsdp_loss(loss, "data", P("data"))
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got None"):
+    fsdp_specs({"kernel": jnp.zeros((4, 4))}, None)
   with pytest.raises(ValueError, match="lookups_in_place must be 'auto', True or False"):
     fsdp_loss(loss, mesh, P("data"), lookups_in_place="always")
   with pytest.raises(ValueError, match=r"shard must be 2-D \[rows, features\], got shape \(4,\)"):
