@@ -379,7 +379,7 @@ def tunix_llama3():
 def tunix_logits(model, input_ids, attention_mask, capacity: int | None = None,
                  attention: str = "auto", batch_axes=None, mesh=None):
   """Logits ``[B, L, V]`` of a Tunix ``Llama3`` on padded ids: causal attention over the real
-  tokens (``attention_mask``), each at its position among them, as transformers' Llama. With
+  tokens (``attention_mask``), each at its place among them (its column, for right padding). With
   ``capacity``, the model runs on the real tokens only, packed into that many slots
   (:func:`sebp_jax.pack_decoder_inputs`; per shard of a batch split over ``batch_axes``),
   its attention per sequence (:class:`sebp_jax.nnx.use_packed_attention` with

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import jax
@@ -32,16 +31,20 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       head run on the real tokens (``use_sebp(packed=True)``, or
       :meth:`~sebp_jax.packing.PackedDecoderInputs.unpack`), the loss reads the head's
       ``[C, V]`` packed rows instead: the ``[B, L, V]`` logits are then never made (unless
-      something else reads them), and the value is the same.
+      something else reads them), and the value is the same. Padding was not computed
+      there, so a loss mask that counts a prediction from a position the model's mask calls
+      padding makes the loss and its gradient NaN: the loss mask must be a part of the
+      model's (a prompt left out, say).
     input_ids: ``[B, L]`` tokens, padded anywhere (right, left, holes). Padding may hold any
       id (0, -100, the vocabulary size); a real target's id out of ``[0, V)`` makes the loss
       and its gradient NaN.
-    attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
+    attention_mask: ``[B, L]``, 1 (or True) for real tokens, 0 for padding; a concrete mask
+      with other values (weights) raises.
     capacity: optional static count of rows for the log-softmax over the vocabulary: the
       positions whose target is real are gathered into ``[capacity, V]`` and only those are
       normalised (forward and backward) instead of every position, padding included. The
-      real tokens of the batch (``attention_mask.sum()``, the packing capacity of
-      ``use_sebp(packed=True)``) always suffice. A batch with more such positions than
+      real tokens of the batch (``attention_mask.sum()``) always suffice. Packed logits have
+      their rows already, and ignore it. A batch with more such positions than
       ``capacity`` gets a NaN loss and gradient, never a silently partial one (an exact
       fallback would be a run-time branch, ``lax.cond``, in every step, which stalls the
       GPU's queue; :func:`sebp_jax.token_capacity` picks a capacity on the host).
@@ -81,7 +84,8 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   poison = jnp.float32(0)
   if capacity is not None:
     capacity = validate_top_n(capacity, "capacity")
-    poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
+    if packed is None:
+      poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
   head = None
   if packed is not None:
     layout = packed.layout
@@ -89,7 +93,10 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     # Each packed row's label and weight (filler: label 0, weight 0), NaN where the batch
     # (a shard of it) overflowed the packing capacity: the scattered logits would be NaN.
     labels, weights = (gather_tokens(a, layout)[0] for a in (labels, weights))
-    poison = poison + invalid_slots(layout)
+    # Targets of positions the packing left out (padding of the model's mask): the padded
+    # batch computed logits there, the packed rows hold none.
+    left_out = jnp.where(jnp.sum(weights) == num_targets, 0.0, jnp.nan)
+    poison = poison + invalid_slots(layout) + left_out
   else:
     labels, weights = labels.reshape(-1), weights.reshape(-1)
     rows = logits.reshape(batch * length, vocab)
@@ -103,11 +110,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       if head is not None:
         head = head.replace(inputs=take(head.inputs))
   weights = weights + poison  # NaN: the loss and every gradient behind it
-  # Padding may hold any id (-100, the vocabulary size): an id out of the vocabulary reads
-  # class 0 with its zero weight; at a real target it weighs NaN.
-  in_vocab = (labels >= 0) & (labels < vocab)
-  weights = jnp.where(in_vocab | (weights == 0), weights, jnp.nan)
-  labels = jnp.where(in_vocab, labels, 0)
+  labels, weights = _labels_in_vocabulary(labels, weights, vocab)
   chunk = _head_chunk(head_chunk, head if packed is not None else None, rows.shape[0], vocab)
   if head is not None and head.vocab_axis is not None and chunk is None:
     total = vocab_split_cross_entropy(head, labels, weights)
@@ -123,10 +126,6 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
                                                                  labels)
     total = _weighted_sum(token_loss, weights)
-  if packed is not None:
-    # Targets of positions the packing left out (not in its mask): their logits are zeros
-    # in the scattered output, log V each.
-    total += (num_targets - jnp.sum(weights)) * math.log(vocab)
   return total / jnp.maximum(num_targets, 1.0)
 
 
@@ -134,6 +133,12 @@ def _target_weights(attention_mask: jax.Array) -> jax.Array:
   """``[B, L]`` float32: 1 where position t predicts a real token t + 1. A prediction counts
   when both its position and its target are real tokens: with left padding or holes, a
   padding position before a real token predicts nothing."""
+  if not isinstance(attention_mask, jax.core.Tracer):
+    values = np.asarray(attention_mask)
+    if not np.all((values == 0) | (values == 1)):
+      raise ValueError("attention_mask must hold 1 (or True) for real tokens and 0 for "
+                       f"padding, got the values {np.unique(values)[:8].tolist()}: the loss "
+                       "counts real tokens, it does not weigh them")
   real = attention_mask != 0
   return jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
 
@@ -158,6 +163,16 @@ def head_chunk_rows(vocab: int) -> int:
   """Rows per chunk of ``head_chunk="auto"``: at most :data:`HEAD_CHUNK_BYTES` of float32
   logits, a multiple of 8."""
   return max(8, HEAD_CHUNK_BYTES // (4 * vocab) // 8 * 8)
+
+
+def _labels_in_vocabulary(labels: jax.Array, weights: jax.Array,
+                          vocab: int) -> tuple[jax.Array, jax.Array]:
+  """``(labels, weights)`` with each label out of ``[0, vocab)`` read as class 0: padding may
+  hold any id (-100, the vocabulary size) at its zero weight; a row of non-zero weight with
+  such a label weighs NaN, so the loss and every gradient are NaN."""
+  in_vocab = (labels >= 0) & (labels < vocab)
+  return (jnp.where(in_vocab, labels, 0),
+          jnp.where(in_vocab | (weights == 0), weights, jnp.nan))
 
 
 def _weighted_sum(token_loss: jax.Array, weights: jax.Array) -> jax.Array:
@@ -234,8 +249,10 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
     inputs: ``[N, D]``, in the head's dtype (bf16 logits are computed as the head does, then
       normalised in float32).
     kernel: ``[D, V]``; bias: ``[V]`` or None.
-    labels: ``int[N]`` in ``[0, V)``.
-    weights: ``float32[N]``; a NaN weight makes the sum and every gradient NaN.
+    labels: ``int[N]`` in ``[0, V)``; one outside it at a non-zero weight makes the sum and
+      every gradient NaN.
+    weights: ``float32[N]``; a NaN weight makes the sum and every gradient NaN. Their
+      gradient is each row's cross-entropy.
     chunk: rows per chunk.
     precision: of the matmuls.
 
@@ -243,6 +260,7 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
+  labels, weights = _labels_in_vocabulary(labels, weights, kernel.shape[-1])
   return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights), chunk,
                                precision)
 
@@ -276,23 +294,28 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
     kernel_grad = kernel_grad + jnp.dot(rows.T, logits_grad, precision=precision,
                                         preferred_element_type=jnp.float32)
     rows_grad = jnp.dot(logits_grad, kernel.T, precision=precision).astype(rows.dtype)
-    return (total, kernel_grad, bias_grad), rows_grad
+    return (total, kernel_grad, bias_grad), (rows_grad, loss)
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
   *start, _ = vary_alike(jnp.float32(0), jnp.zeros(kernel.shape, jnp.float32),
                         jnp.zeros(kernel.shape[-1:], jnp.float32), inputs)
-  (total, kernel_grad, bias_grad), rows_grad = jax.lax.scan(chunk_step, tuple(start), chunks)
-  inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:inputs.shape[0]]
+  (total, kernel_grad, bias_grad), (rows_grad, row_loss) = jax.lax.scan(
+      chunk_step, tuple(start), chunks)
+  num_rows = inputs.shape[0]
+  inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:num_rows]
   # The gradients of a unit cotangent, in each input's dtype; the backward scales them.
   grads = (inputs_grad, kernel_grad.astype(kernel.dtype),
-           None if bias is None else bias_grad.astype(bias.dtype))
-  return total, (grads, labels, weights)
+           None if bias is None else bias_grad.astype(bias.dtype),
+           row_loss.reshape(-1)[:num_rows].astype(weights.dtype))
+  return total, (grads, labels)
 
 
 def _linear_cross_entropy_bwd(chunk, precision, residuals, total_grad):
-  grads, labels, weights = residuals
-  scaled = tuple(None if g is None else (total_grad * g).astype(g.dtype) for g in grads)
-  return (*scaled, np.zeros(labels.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+  grads, labels = residuals
+  inputs_grad, kernel_grad, bias_grad, weights_grad = (
+      None if g is None else (total_grad * g).astype(g.dtype) for g in grads)
+  return (inputs_grad, kernel_grad, bias_grad, np.zeros(labels.shape, jax.dtypes.float0),
+          weights_grad)
 
 
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)

@@ -125,8 +125,8 @@ SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
 
 def tunix_llama3_attention(module, attention_core: AttentionCore, arguments: dict) -> tuple:
   """Tunix's Llama 3 ``Attention.block`` with ``attention_core``: its projections (and their
-  activation sharding), rotary embeddings at the given positions, causal, no cache; the
-  ``attn_mask`` argument is not read (the core keeps each sequence apart)."""
+  activation sharding), rotary embeddings at the given positions, causal, no cache; the core
+  keeps each sequence apart (and the packed inputs' window) in place of ``attn_mask``."""
   if arguments.get("cache") is not None:
     raise ValueError("use_packed_attention cannot run Tunix's Llama 3 with a decoding cache; "
                      "call the model without one")
@@ -160,17 +160,20 @@ class NNXAttention:
       own remat still wraps it).
     attend: ``(module, attention_core, arguments) -> outputs`` in place of ``method``, its
       arguments bound by name.
+    mask_argument: the name of ``method``'s attention-mask argument, which the packed
+      attention checks against its layout instead of attending with it.
   """
   name: str
   module: str
   class_name: str
   method: str
   attend: Callable[[Any, AttentionCore, dict], Any]
+  mask_argument: str
 
 
 NNX_ATTENTION = (
     NNXAttention("Tunix Llama 3", "tunix.models.llama3.model", "Attention", "block",
-                 tunix_llama3_attention),
+                 tunix_llama3_attention, mask_argument="attn_mask"),
 )
 NNX_SUPPORTED = ", ".join(f"{a.module}.{a.class_name}" for a in NNX_ATTENTION)
 

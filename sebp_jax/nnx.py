@@ -31,7 +31,8 @@ from sebp_jax import context as context_lib
 from sebp_jax import model_families
 from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
 from sebp_jax.layers import resolve_top_n
-from sebp_jax.packing import ATTENTION_METHODS, PackedLayout, packed_attention
+from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_decoder_mask,
+                              packed_attention)
 from sebp_jax.ops import (sebp_embed_lookup, sebp_linear, validate_backend, validate_capacity,
                           validate_overflow, validate_threshold)
 from sebp_jax.report import RowLog
@@ -508,7 +509,8 @@ def _packed_attention_class(cls: type, entry: model_families.NNXAttention) -> ty
         return own(self, *args, **kwargs)
       bound = signature.bind(self, *args, **kwargs)
       bound.apply_defaults()
-      return entry.attend(self, context.attention_core(bound.arguments), bound.arguments)
+      core = context.attention_core(bound.arguments, entry.mask_argument)
+      return entry.attend(self, core, bound.arguments)
 
     _PACKED_CLASSES[cls] = type(f"SEBPPacked{cls.__name__}", (cls,),
                                 {"__module__": __name__, entry.method: per_sequence})
@@ -528,9 +530,12 @@ class use_packed_attention:
   The model's attention over the packed sequence costs ``C²`` for ``C`` slots whatever it is
   given; inside this context each attention module it knows (:data:`sebp_jax.model_families.
   NNX_ATTENTION`: Tunix's Llama 3) runs :func:`sebp_jax.packing.packed_attention` with the
-  layout instead: each sequence in a row of its own where cuDNN runs (``"rows"``, a cost
-  that follows the squared lengths), else one mask built from the layout; the model's own
-  ``[1, C, C]`` mask is not read, and XLA drops it. The outputs at real tokens are those of
+  layout instead (and the sliding window of ``pack_decoder_inputs(window=)``): each
+  sequence in a row of its own where cuDNN runs (``"rows"``, a cost that follows the squared
+  lengths), else one mask built from the layout. The model's own ``[1, C, C]`` mask is only
+  checked against the layout, at three entries per slot: another batch's mask (a second
+  batch run in the context) raises where it is concrete and makes the outputs NaN where it
+  is traced; ``None`` in its place skips the check. The outputs at real tokens are those of
   the padded batch.
 
   Enter it where the packed inputs are made, best inside the traced function (the loss under
@@ -557,16 +562,28 @@ class use_packed_attention:
     self.model, self.layout, self.attention = model, layout, attention
     self._swapped: list[tuple[nnx.Module, type]] = []
 
-  def attention_core(self, arguments: dict):
-    """:func:`packed_attention` on this context's layout, for a call with ``arguments``."""
+  def attention_core(self, arguments: dict, mask_argument: str):
+    """:func:`packed_attention` on this context's layout and its window, for a call with
+    ``arguments``, the model's mask among them as ``mask_argument``: checked to be the
+    layout's (:func:`~sebp_jax.packing.checked_decoder_mask`), a traced mismatch making the
+    outputs NaN."""
     # The method's first argument after self is the attention's input.
     shape = jnp.shape(list(arguments.values())[1])
-    capacity = self.layout.capacity
-    if tuple(shape[:2]) != (1, capacity):
+    layout = self.layout
+    if tuple(shape[:2]) != (1, layout.capacity):
       raise ValueError(f"use_packed_attention: the attention's input has shape {shape}, not "
-                       f"(1, {capacity}, ...) of the layout: call the model on the packed "
-                       "inputs")
-    return functools.partial(packed_attention, layout=self.layout, method=self.attention)
+                       f"(1, {layout.capacity}, ...) of the layout: call the model on the "
+                       "packed inputs")
+    matches = checked_decoder_mask(layout, arguments.get(mask_argument))
+
+    def core(query, key, value, *, window, **options):
+      if window is not None:
+        raise ValueError(f"use_packed_attention attends with the window of "
+                         f"pack_decoder_inputs(window=), not the model's own ({window})")
+      out = packed_attention(query, key, value, layout, window=layout.window,
+                             method=self.attention, **options)
+      return out if matches is None else jnp.where(matches, out, jnp.nan)
+    return core
 
   def __enter__(self) -> "use_packed_attention":
     if getattr(_PACKED_ATTENTION, "context", None) is not None:
@@ -588,7 +605,7 @@ class use_packed_attention:
     """The layout's contents where they are concrete, else nothing shared with another."""
     layout = self.layout
     return (layout.batch_shape, layout.capacity, layout.row_width, layout.contiguous,
-            layout.shards, context_lib.contents_key(*jax.tree.leaves(layout)))
+            layout.shards, layout.window, context_lib.contents_key(*jax.tree.leaves(layout)))
 
   def __exit__(self, exc_type, exc, tb) -> None:
     for module, cls in reversed(self._swapped):

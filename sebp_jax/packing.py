@@ -72,6 +72,8 @@ class PackedLayout:
       per-slot fields hold each shard's layout of its block (indices within the block), one
       block after another, ``num_tokens`` and ``invalid`` one entry per shard, and every
       operation on the layout runs per shard (:func:`map_shards`).
+    window: the sliding window (in columns) of the decoder mask :func:`pack_decoder_inputs`
+      made, which :class:`sebp_jax.nnx.use_packed_attention` attends with; None for none.
   """
   batch_shape: tuple[int, int] = flax.struct.field(pytree_node=False)
   token_rows: Array
@@ -85,6 +87,7 @@ class PackedLayout:
   row_width: int = flax.struct.field(pytree_node=False)
   contiguous: bool = flax.struct.field(pytree_node=False)
   shards: RowSharding | None = flax.struct.field(pytree_node=False, default=None)
+  window: int | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def capacity(self) -> int:
@@ -282,7 +285,8 @@ def _block_layout(layout: PackedLayout, leaves: dict[str, Array]) -> PackedLayou
   batch, length = layout.batch_shape
   fields = {name: value[0] if name in _PER_SHARD else value for name, value in leaves.items()}
   return PackedLayout(batch_shape=(batch // layout.shards.num_shards, length), **fields,
-                      row_width=layout.row_width, contiguous=layout.contiguous)
+                      row_width=layout.row_width, contiguous=layout.contiguous,
+                      window=layout.window)
 
 
 #: How :func:`map_shards` splits an array: ``"rows"``, along its first dimension (``[B, L,
@@ -377,10 +381,34 @@ def checked_first_tokens(hidden: Array, layout: PackedLayout, host_mask: Any,
   return jnp.where(reads_padding, poison * jnp.sum(hidden, axis=1, keepdims=True), hidden)
 
 
+@jax.custom_vjp
+def _padding_unread(out: Array, real: Array) -> Array:
+  """``out: [B, L, ...]`` as is; its cotangent comes back NaN everywhere where it is not zero
+  at a position that ``real: bool[B, L]`` calls padding."""
+  del real
+  return out
+
+
+def _padding_unread_fwd(out, real):
+  return out, real
+
+
+def _padding_unread_bwd(real, d_out):
+  real = real.reshape(real.shape + (1,) * (d_out.ndim - real.ndim))
+  # NaN != 0 too: a NaN read only at padding is not dropped either.
+  read = jnp.any(~real & (d_out != 0))
+  return d_out + jnp.where(read, jnp.nan, 0).astype(d_out.dtype), None
+
+
+_padding_unread.defvjp(_padding_unread_fwd, _padding_unread_bwd)
+
+
 def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   """``packed: [1, C, ...]`` -> ``[B, L, ...]``, zeros at padding; all NaN (inexact dtypes),
   and so every gradient behind it, when the layout is ``invalid`` (the batch overflowed
-  ``C``; sharded, the shard that overflowed): no token is dropped silently."""
+  ``C``; sharded, the shard that overflowed): no token is dropped silently. Padding was not
+  computed, so a loss that reads it (a gradient there that is not zero) makes every gradient
+  behind it NaN: the padded batch's value there is not the zero it reads."""
   if layout.shards is not None:
     return map_shards(lambda block, packed: scatter_tokens(packed, block), layout, (packed,),
                       ("packed",), "rows")
@@ -395,7 +423,8 @@ def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   out = jnp.full((batch * length, *values.shape[1:]), fill, values.dtype)
   out = out.at[layout.token_rows].set(values, mode="drop", indices_are_sorted=True,
                                       unique_indices=True)
-  return out.reshape(batch, length, *values.shape[1:])
+  out = out.reshape(batch, length, *values.shape[1:])
+  return _padding_unread(out, layout.mask) if jnp.issubdtype(out.dtype, jnp.inexact) else out
 
 
 def invalid_slots(layout: PackedLayout) -> Array:
@@ -432,6 +461,56 @@ def attention_mask(layout: PackedLayout, *, causal: bool,
   return allowed[None, None]
 
 
+def _first_attended_slots(layout: PackedLayout) -> Array:
+  """``int32[C]``: the first slot each slot attends to in the decoder mask of ``layout``
+  (:func:`attention_mask`, causal, ``layout.window``). A row's tokens sit side by side in
+  ascending columns, so a slot attends to every slot from that one to itself."""
+  if layout.shards is not None:
+    axes = layout.shards.axes
+    first = lambda block: (_first_attended_slots(block)
+                           + jax.lax.axis_index(axes) * block.capacity)[None]
+    return map_shards(first, layout, (), (), "packed")[0]
+  reach = layout.columns if layout.window is None else jnp.minimum(layout.columns,
+                                                                   layout.window)
+  # token_rows ascend (filler past every real token), and a row's columns with them.
+  return jnp.searchsorted(layout.token_rows, layout.token_rows - reach,
+                          side="left").astype(jnp.int32)
+
+
+def checked_decoder_mask(layout: PackedLayout, given: Array | None) -> Array | None:
+  """Whether ``given``, the ``[1, C, C]`` mask a decoder was called with, is the one
+  :func:`pack_decoder_inputs` made with ``layout``, for attention that reads the layout in
+  its place (another batch's mask, or another window, would attend otherwise).
+
+  Read at three entries per slot, not ``C²``: true at the first slot it attends to, false
+  just before that and just after itself. A mask of another layout (a run of slots ending at
+  each slot) then equals it, and a plain causal or a bidirectional mask fails. A concrete
+  mismatch raises; a traced one is returned as a ``bool[]`` (True: it matches) for the
+  caller to poison its outputs with; None where nothing was given or all is concrete."""
+  if given is None:
+    return None
+  capacity = layout.capacity
+  if jnp.shape(given) != (1, capacity, capacity):
+    raise ValueError(f"the decoder's attention mask has shape {jnp.shape(given)}, not (1, "
+                     f"{capacity}, {capacity}) of the packed inputs: pass the "
+                     "pack_decoder_inputs(...).attention_mask that made the layout")
+  slots = jnp.arange(capacity)
+  first = _first_attended_slots(layout)
+  given = jnp.asarray(given)[0] != 0
+  matches = (jnp.all(given[slots, first])
+             & ~jnp.any(given[slots, jnp.maximum(first - 1, 0)] & (first > 0))
+             & ~jnp.any(given[slots[:-1], slots[1:]]))
+  if isinstance(matches, jax.core.Tracer):
+    return matches
+  if not matches:
+    raise ValueError(
+        "the decoder's attention mask is not the one pack_decoder_inputs made with "
+        "use_packed_attention's layout (another batch's, or another window than "
+        f"window={layout.window}): enter the context with the layout of the inputs the model "
+        "runs on")
+  return None
+
+
 @flax.struct.dataclass
 class PackedDecoderInputs:
   """A padded batch's real tokens packed into one sequence, as the inputs of a decoder that
@@ -441,7 +520,8 @@ class PackedDecoderInputs:
   Attributes:
     layout: where each token sits (:class:`PackedLayout`).
     input_ids: ``[1, C]``, the real tokens; filler slots 0.
-    positions: ``int32[1, C]``, each token's position in the padded batch.
+    positions: ``int32[1, C]``, each token's position: by default its place among its row's
+      real tokens (for right padding, its column).
     attention_mask: ``bool[1, C, C]``: causal within each row of the batch (and the window);
       filler attends to filler only.
   """
@@ -487,14 +567,18 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
                      f"that it attends to), got {window!r}")
   sharding = row_sharding(mask, 2, mesh=mesh,
                           batch_axes=normalize_batch_axes(batch_axes))
-  layout = pack_layout(mask, capacity, sharding)
+  layout = pack_layout(mask, capacity, sharding).replace(window=window)
   if positions is None:
     real = jnp.asarray(mask) != 0
     # Along each row, so that a batch split over devices needs no collective.
     positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
+  positions = jnp.asarray(positions)
+  if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.shape != layout.batch_shape:
+    raise ValueError(f"positions must be integer token positions of the mask's shape "
+                     f"{layout.batch_shape}, got {positions.dtype}{list(positions.shape)}")
   return PackedDecoderInputs(
       layout=layout, input_ids=gather_tokens(jnp.asarray(input_ids), layout),
-      positions=gather_tokens(jnp.asarray(positions, jnp.int32), layout),
+      positions=gather_tokens(positions.astype(jnp.int32), layout),
       attention_mask=attention_mask(layout, causal=True, window=window)[0])
 
 

@@ -202,3 +202,45 @@ def test_linear_cross_entropy_nan_weight_poisons_every_gradient_and_keeps_dtypes
       lambda *a: linear_cross_entropy(*a, labels, weights, chunk=5), (0, 1, 2))(
           inputs, kernel, bias)
   assert np.isnan(value) and all(jnp.isnan(g).any() for g in grads)
+
+
+def test_linear_cross_entropy_labels_out_of_the_vocabulary_and_the_weights_gradient():
+  """A label out of [0, V) at a non-zero weight makes the value and every gradient NaN (also
+  at -1, which an unchecked take would read as class V - 1), and is ignored at weight 0;
+  the weights' gradient is each row's cross-entropy, as jax.grad of the plain sum gives."""
+  rng = np.random.default_rng(5)
+  inputs = rng.normal(size=(9, 6)).astype(np.float32)
+  kernel = rng.normal(size=(6, 13)).astype(np.float32)
+  labels = rng.integers(0, 13, 9).astype(np.int32)
+  weights = rng.uniform(0.5, 2.0, 9).astype(np.float32)
+  run = jax.value_and_grad(functools.partial(linear_cross_entropy, chunk=4), (0, 1, 4))
+  for bad in (-1, -5, 13, 100):
+    broken = labels.copy()
+    broken[2] = bad
+    value, grads = run(inputs, kernel, None, broken, weights)
+    assert np.isnan(value) and np.isnan(grads[0][2]).all() and np.isnan(grads[1]).all()
+    unweighted = weights.copy()
+    unweighted[2] = 0
+    value, grads = run(inputs, kernel, None, broken, unweighted)
+    assert np.isfinite(value) and all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+  def plain(inputs, kernel, weights):
+    losses = optax.softmax_cross_entropy_with_integer_labels(inputs @ kernel, labels)
+    return jnp.sum(weights * losses)
+
+  with jax.default_matmul_precision("highest"):
+    value, grads = run(inputs, kernel, None, labels, weights)
+    want_value, want = jax.value_and_grad(plain, (0, 1, 2))(inputs, kernel, weights)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  for got, expected in zip(grads, want):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_of_other_values_than_zero_and_one_raises():
+  logits = jnp.zeros((1, 4, 5))
+  ids = jnp.ones((1, 4), jnp.int32)
+  for mask in (np.array([[1, 1, 0.25, 0.25]]), np.array([[1, 1, -1, 0]])):
+    with pytest.raises(ValueError, match="attention_mask must hold 1"):
+      masked_causal_lm_loss(logits, ids, mask)
+  for mask in (np.array([[True, True, False, False]]), np.array([[1.0, 1.0, 0.0, 0.0]])):
+    np.testing.assert_allclose(masked_causal_lm_loss(logits, ids, mask), np.log(5), rtol=1e-6)

@@ -155,6 +155,80 @@ def test_packed_inputs_overflowing_the_capacity_give_nan():
   assert np.isnan(np.asarray(logits)).all()
 
 
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+def test_a_sliding_window_of_the_packed_inputs_is_the_one_attended(attention):
+  """`pack_decoder_inputs(window=)` with the attention per sequence: the padded model's
+  logits and gradient under the same windowed mask."""
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(11)
+  window, capacity = 2, int(mask.sum()) + 3
+  real = mask.astype(bool)
+  positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+  columns = np.arange(mask.shape[1])
+  offsets = columns[:, None] - columns[None, :]
+  padded_mask = (offsets >= 0) & (offsets <= window) & real[:, None, :]
+
+  def padded_loss(model):
+    logits, _ = model(ids, positions, None, padded_mask)
+    return masked_causal_lm_loss(logits, ids, mask)
+
+  def packed_loss(model):
+    packed = pack_decoder_inputs(ids, mask, capacity, window=window)
+    with sebp_nnx.use_packed_attention(model, packed.layout, attention):
+      logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
+    return masked_causal_lm_loss(packed.unpack(logits), ids, mask)
+
+  want_loss, want = nnx.jit(nnx.value_and_grad(padded_loss))(model)
+  got_loss, got = nnx.jit(nnx.value_and_grad(packed_loss))(model)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+  assert_every_gradient_close(nnx.state(got, nnx.Param), nnx.state(want, nnx.Param))
+  unwindowed = nnx.jit(nnx.value_and_grad(_loss))(model, ids, mask)[0]
+  assert abs(float(unwindowed) - float(want_loss)) > 1e-4  # The window changes the loss.
+
+
+def test_a_mask_of_other_packed_inputs_raises_or_gives_nan():
+  """The model's packed mask is checked against the context's layout: another batch's (a
+  second batch run in one context), or another window, raises where concrete and makes the
+  logits NaN where traced; None skips the check."""
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  ids, mask = _batch(12)
+  lengths = mask.sum(axis=1)
+  other_mask = mask.copy()  # A token moved from row 0 to row 1: the same count.
+  other_mask[0, lengths[0] - 1], other_mask[1, lengths[1]] = 0, 1
+  capacity = int(max(mask.sum(), other_mask.sum())) + 2
+  packed = pack_decoder_inputs(ids, mask, capacity)
+  mismatches = {"another batch": pack_decoder_inputs(ids, other_mask, capacity),
+                "another window": pack_decoder_inputs(ids, mask, capacity, window=1)}
+  for other in mismatches.values():
+    with sebp_nnx.use_packed_attention(model, packed.layout):
+      with pytest.raises(ValueError, match="not the one pack_decoder_inputs made"):
+        model(other.input_ids, other.positions, None, other.attention_mask)
+
+  def run(given_mask):
+    with sebp_nnx.use_packed_attention(model, packed.layout):
+      logits, _ = model(packed.input_ids, packed.positions, None, given_mask)
+    return logits
+
+  run = nnx.jit(run)
+  good = run(packed.attention_mask)
+  assert np.isfinite(np.asarray(good)).all()
+  np.testing.assert_array_equal(run(None), good)
+  for other in mismatches.values():
+    assert np.isnan(np.asarray(run(other.attention_mask))).all()
+  # A plain causal mask over the packed sequence attends across rows.
+  causal = np.tril(np.ones((capacity, capacity), bool))[None]
+  assert np.isnan(np.asarray(run(causal))).all()
+  with pytest.raises(ValueError, match=r"has shape \(1, 3, 3\)"):
+    run(np.ones((1, 3, 3), bool))
+
+
+def test_pack_decoder_inputs_takes_integer_positions_of_the_masks_shape():
+  ids, mask = _batch(13)
+  for positions in (np.zeros(mask.shape, np.float32), np.zeros(mask.shape[1:], np.int32)):
+    with pytest.raises(ValueError, match="positions must be integer token positions"):
+      pack_decoder_inputs(ids, mask, int(mask.sum()), positions=positions)
+
+
 def _long_batch(seed, batch=24, length=160, vocab=96):
   """Many sequences of spread lengths, right-padded: about 2,000 real tokens."""
   rng = np.random.default_rng(seed)

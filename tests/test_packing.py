@@ -135,26 +135,31 @@ def test_gather_tokens_checks_the_leading_shape():
 @pytest.mark.parametrize("seed,shape,kind", MASK_CASES[1:3])
 def test_gradient_through_gather_and_scatter(seed, shape, kind):
   """d/dx sum(w_out * scatter(sin(gather(x)) * w_packed)) equals its numpy form: each real
-  token's own slot weight, zero at padding."""
+  token's own slot weight, zero at padding. A w_out that is not zero at padding reads
+  outputs that packing did not compute: every gradient NaN."""
   rng = np.random.default_rng(200 + seed)
   mask = _random_mask(rng, *shape, kind)
   n = int(mask.sum())
   capacity = n + 4
   layout = pack_layout(mask, capacity)
   x = rng.standard_normal((*shape, 3))
-  w_out = rng.standard_normal((*shape, 3))
+  reads_padding = rng.standard_normal((*shape, 3))
+  w_out = reads_padding * mask[..., None]
   w_packed = rng.standard_normal((1, capacity, 3))
 
-  def loss(x):
+  def loss(x, w_out):
     return jnp.sum(w_out * scatter_tokens(jnp.sin(gather_tokens(x, layout)) * w_packed, layout))
 
-  got = jax.jit(jax.grad(loss))(jnp.asarray(x, jnp.float32))
+  grad = jax.jit(jax.grad(loss))
+  got = grad(jnp.asarray(x, jnp.float32), w_out)
   want = np.zeros((shape[0] * shape[1], 3))
   real = np.flatnonzero(mask.reshape(-1))
   flat_x, flat_w = x.reshape(-1, 3), w_out.reshape(-1, 3)
   want[real] = flat_w[real] * np.cos(flat_x[real]) * w_packed[0, :n]
   np.testing.assert_allclose(got, want.reshape(*shape, 3), rtol=1e-5, atol=1e-6)
   assert not np.any(np.asarray(got)[mask == 0])
+  if not mask.all():  # NaN at every token it reaches.
+    assert np.isnan(grad(jnp.asarray(x, jnp.float32), reads_padding)[mask == 1]).all()
 
 
 def _reference_allowed(mask, causal, window):
