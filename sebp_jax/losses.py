@@ -12,7 +12,7 @@ import optax
 
 from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import LinearHead, head_of, packed_rows_of
-from sebp_jax.packing import gather_tokens, invalid_slots
+from sebp_jax.packing import check_token_flags, gather_tokens, invalid_slots
 from sebp_jax.sharding import vary_alike
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
@@ -133,12 +133,8 @@ def _target_weights(attention_mask: jax.Array) -> jax.Array:
   """``[B, L]`` float32: 1 where position t predicts a real token t + 1. A prediction counts
   when both its position and its target are real tokens: with left padding or holes, a
   padding position before a real token predicts nothing."""
-  if not isinstance(attention_mask, jax.core.Tracer):
-    values = np.asarray(attention_mask)
-    if not np.all((values == 0) | (values == 1)):
-      raise ValueError("attention_mask must hold 1 (or True) for real tokens and 0 for "
-                       f"padding, got the values {np.unique(values)[:8].tolist()}: the loss "
-                       "counts real tokens, it does not weigh them")
+  check_token_flags(attention_mask, "attention_mask",
+                    "the loss counts real tokens, it does not weigh them")
   real = attention_mask != 0
   return jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
 

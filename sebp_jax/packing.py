@@ -196,12 +196,24 @@ def balanced_shard_order(lengths, num_shards: int) -> np.ndarray:
   return np.concatenate([np.asarray(sorted(b), dtype=np.int64) for b in blocks])
 
 
+def check_token_flags(mask: Any, name: str, why: str) -> None:
+  """Raises naming ``name`` where ``mask`` is concrete and holds other values than 0 and 1
+  (``why``: what those would change); a traced mask passes."""
+  if isinstance(mask, jax.core.Tracer):
+    return
+  values = np.asarray(mask)
+  if not np.all((values == 0) | (values == 1)):
+    raise ValueError(f"{name} must hold 1 (or True) for real tokens and 0 for padding, got "
+                     f"the values {np.unique(values)[:8].tolist()}: {why}")
+
+
 def pack_layout(mask: Array, capacity: int,
                 sharding: RowSharding | None = None) -> PackedLayout:
   """The packed layout of the non-zero entries of ``mask: [B, L]`` in ``capacity`` slots.
 
   Any mask works (right or left padding, holes): tokens keep their row and column, and attention
-  follows them. A concrete mask with more than ``capacity`` real tokens raises ValueError.
+  follows them. A concrete mask with more than ``capacity`` real tokens raises ValueError, as
+  does one of other values than 0 and 1 (a traced one makes the layout ``invalid``).
   With ``sharding`` (the batch split over devices along its first dimension), each shard
   packs its own block of rows into ``capacity`` slots of its own, on its device.
   """
@@ -213,6 +225,9 @@ def pack_layout(mask: Array, capacity: int,
   # Rows of row_attention: as long as a row can be (no longer than the capacity), even for
   # cuDNN's backward.
   row_width, contiguous = min(length, capacity), False
+  check_token_flags(mask, "active_mask for packing",
+                    "packing takes every non-zero as a token, a model may not (BERT attends "
+                    "where the mask is above 0)")
   if not isinstance(mask, jax.core.Tracer):
     host = np.asarray(mask) != 0
     num_tokens = int(shard_row_counts(host, num_shards).max())
@@ -261,7 +276,8 @@ def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) ->
       columns=jnp.where(real, rows % length, slots),
       num_tokens=num_tokens,
       mask=grid,
-      invalid=num_tokens > capacity,
+      # A value other than 0 and 1 (see check_token_flags), where the mask is traced.
+      invalid=(num_tokens > capacity) | jnp.any(grid & (jnp.reshape(mask, grid.shape) != 1)),
       ranks=jnp.where(real, jnp.take(ranks, rows, mode="fill", fill_value=0), slots),
       row_lengths=jnp.sum(grid, axis=1, dtype=jnp.int32),
       row_width=row_width,

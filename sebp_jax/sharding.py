@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import logging
 import math
 import re
 from typing import Any, Callable
@@ -51,6 +53,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
 from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
+
+logger = logging.getLogger("sebp_jax")
 
 Array = jax.Array
 
@@ -172,9 +176,23 @@ def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
     # An array not typed as split (a host mask) on Explicit axes: split it for shard_map.
     sharding = RowSharding(mesh, tuple(batch_axes), explicit=any(
         kinds[axis] == AxisType.Explicit for axis in batch_axes))
-  if sharding.num_shards == 1 or jnp.shape(x)[0] % sharding.num_shards:
+  if sharding.num_shards == 1:
+    return None
+  if jnp.shape(x)[0] % sharding.num_shards:
+    _warn_undivided_rows(tuple(jnp.shape(x)[:num_row_dims]), sharding.axes,
+                         sharding.num_shards)
     return None
   return sharding
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_undivided_rows(shape: tuple[int, ...], axes: tuple[str, ...], num_shards: int) -> None:
+  """Warns once per shape (every layer on the rows would)."""
+  logger.warning(
+      "rows of shape %s split over %s: their first dimension is not divided by the %d shards, "
+      "so they select over every shard's rows at once (the rows gathered, top_n counting all "
+      "of them). Packed rows [1, shards * C] select per shard only in use_sebp(packed=True), "
+      "which packs them itself.", shape, axes, num_shards)
 
 
 def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:

@@ -78,19 +78,26 @@ def test_pack_layout_matches_numpy(seed, shape, kind):
     assert not got[4] and got[0].dtype == jnp.int32
 
 
-def test_pack_layout_reads_any_nonzero_and_is_the_same_under_jit():
-  """Float masks with arbitrary non-zero values, eager (a concrete mask) and under jit."""
+def test_pack_layout_reads_float_and_bool_masks_and_is_the_same_under_jit():
+  """Float and bool masks, eager (a concrete mask) and under jit. Values other than 0 and 1
+  (which models read differently: BERT attends where the mask is above 0) raise eagerly and
+  make the layout invalid under jit."""
   rng = np.random.default_rng(11)
-  mask = (rng.random((4, 6)) < 0.5) * rng.uniform(0.1, 3.0, (4, 6))
-  mask = mask.astype(np.float32)
-  capacity = int(np.count_nonzero(mask)) + 2
-  want = _reference_layout(mask != 0, capacity)
-  eager = pack_layout(mask, capacity)
-  assert eager.batch_shape == (4, 6) and eager.capacity == capacity
-  eager = (eager.token_rows, eager.segment_ids, eager.columns, eager.num_tokens)
-  for got in (eager, _layout_fields(mask, (capacity,))[0]):
-    for a, b in zip(got, want):
-      np.testing.assert_array_equal(a, b)
+  flags = rng.random((4, 6)) < 0.5
+  capacity = int(np.count_nonzero(flags)) + 2
+  want = _reference_layout(flags, capacity)
+  for mask in (flags.astype(np.float32), flags):
+    eager = pack_layout(mask, capacity)
+    assert eager.batch_shape == (4, 6) and eager.capacity == capacity
+    assert not eager.invalid
+    eager = (eager.token_rows, eager.segment_ids, eager.columns, eager.num_tokens)
+    for got in (eager, _layout_fields(mask, (capacity,))[0]):
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+  for weighted in (flags * rng.uniform(0.1, 3.0, (4, 6)), np.where(flags, 1, -1)):
+    with pytest.raises(ValueError, match=r"must hold 1 \(or True\) for real tokens"):
+      pack_layout(weighted, capacity)
+    assert jax.jit(lambda m: pack_layout(m, capacity).invalid)(weighted)
 
 
 def test_pack_layout_refuses_a_non_2d_mask():

@@ -506,7 +506,7 @@ def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared
     assert compiled(True) == compiled(False)
 
 
-def test_errors_name_the_argument():
+def test_errors_name_the_argument(caplog):
   x = jnp.ones((BATCH, LENGTH, FEATURES))
   kernel = jnp.ones((FEATURES, 4))
   with pytest.raises(ValueError, match="batch_axes=.*needs a mesh"):
@@ -539,8 +539,11 @@ def test_errors_name_the_argument():
   with pytest.raises(ValueError, match=r"sentinel 32 in unused slots \(in each shard\)"):
     sebp_linear(x, kernel, active_rows=per_shard_index[::-1].copy(), batch_axes="data",
                 mesh=mesh)
-  # Rows the shards do not divide evenly select over the whole batch.
-  assert row_sharding(jnp.ones((3, 4, 2)), 2, batch_axes=("data",), mesh=mesh) is None
+  # Rows the shards do not divide evenly select over the whole batch, with a warning (packed
+  # rows [1, shards * C] among them).
+  with caplog.at_level(logging.WARNING, logger="sebp_jax"):
+    assert row_sharding(jnp.ones((3, 7, 2)), 2, batch_axes=("data",), mesh=mesh) is None
+  assert "not divided by the 4 shards" in caplog.text
 
 
 def test_ops_in_a_shard_map_sum_a_replicated_input_gradient_over_devices():
