@@ -133,10 +133,11 @@ def _target_weights(attention_mask: jax.Array) -> jax.Array:
   """``[B, L]`` float32: 1 where position t predicts a real token t + 1. A prediction counts
   when both its position and its target are real tokens: with left padding or holes, a
   padding position before a real token predicts nothing."""
-  check_token_flags(attention_mask, "attention_mask",
-                    "the loss counts real tokens, it does not weigh them")
+  weighted = check_token_flags(attention_mask, "attention_mask",
+                               "the loss counts real tokens, it does not weigh them")
   real = attention_mask != 0
-  return jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
+  weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
+  return weights if weighted is None else jnp.where(weighted, jnp.nan, weights)
 
 
 def causal_lm_target_count(attention_mask: jax.Array) -> jax.Array:

@@ -196,15 +196,21 @@ def balanced_shard_order(lengths, num_shards: int) -> np.ndarray:
   return np.concatenate([np.asarray(sorted(b), dtype=np.int64) for b in blocks])
 
 
-def check_token_flags(mask: Any, name: str, why: str) -> None:
+def check_token_flags(mask: Any, name: str, why: str) -> Array | None:
   """Raises naming ``name`` where ``mask`` is concrete and holds other values than 0 and 1
-  (``why``: what those would change); a traced mask passes."""
+  (``why``: what those would change); for a traced mask, returns ``bool[]``, True where it
+  holds such values, for the caller to make its outputs NaN with."""
   if isinstance(mask, jax.core.Tracer):
-    return
+    return jnp.any((mask != 0) & (mask != 1))
   values = np.asarray(mask)
   if not np.all((values == 0) | (values == 1)):
     raise ValueError(f"{name} must hold 1 (or True) for real tokens and 0 for padding, got "
                      f"the values {np.unique(values)[:8].tolist()}: {why}")
+  return None
+
+
+_PACKING_FLAGS = ("active_mask for packing", "packing takes every non-zero as a token, a model "
+                  "may not (BERT attends where the mask is above 0)")
 
 
 def pack_layout(mask: Array, capacity: int,
@@ -225,9 +231,7 @@ def pack_layout(mask: Array, capacity: int,
   # Rows of row_attention: as long as a row can be (no longer than the capacity), even for
   # cuDNN's backward.
   row_width, contiguous = min(length, capacity), False
-  check_token_flags(mask, "active_mask for packing",
-                    "packing takes every non-zero as a token, a model may not (BERT attends "
-                    "where the mask is above 0)")
+  check_token_flags(mask, *_PACKING_FLAGS)
   if not isinstance(mask, jax.core.Tracer):
     host = np.asarray(mask) != 0
     num_tokens = int(shard_row_counts(host, num_shards).max())
@@ -269,6 +273,10 @@ def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) ->
   rows = jnp.where(real, active_rows_from_mask(flat, capacity), num_rows + slots)
   grid = jnp.reshape(flat, (batch, length))
   ranks = jnp.reshape(jnp.cumsum(grid, axis=1, dtype=jnp.int32) - 1, (-1,))
+  invalid = num_tokens > capacity
+  weighted = check_token_flags(mask, *_PACKING_FLAGS)  # Where traced: values other than 0, 1.
+  if weighted is not None:
+    invalid |= weighted
   return PackedLayout(
       batch_shape=(batch, length),
       token_rows=rows,
@@ -276,8 +284,7 @@ def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) ->
       columns=jnp.where(real, rows % length, slots),
       num_tokens=num_tokens,
       mask=grid,
-      # A value other than 0 and 1 (see check_token_flags), where the mask is traced.
-      invalid=(num_tokens > capacity) | jnp.any(grid & (jnp.reshape(mask, grid.shape) != 1)),
+      invalid=invalid,
       ranks=jnp.where(real, jnp.take(ranks, rows, mode="fill", fill_value=0), slots),
       row_lengths=jnp.sum(grid, axis=1, dtype=jnp.int32),
       row_width=row_width,
@@ -419,14 +426,18 @@ def _padding_unread_bwd(real, d_out):
 _padding_unread.defvjp(_padding_unread_fwd, _padding_unread_bwd)
 
 
-def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
+def scatter_tokens(packed: Array, layout: PackedLayout, *, check_padding: bool = True) -> Array:
   """``packed: [1, C, ...]`` -> ``[B, L, ...]``, zeros at padding; all NaN (inexact dtypes),
   and so every gradient behind it, when the layout is ``invalid`` (the batch overflowed
-  ``C``; sharded, the shard that overflowed): no token is dropped silently. Padding was not
-  computed, so a loss that reads it (a gradient there that is not zero) makes every gradient
-  behind it NaN: the padded batch's value there is not the zero it reads."""
+  ``C``; sharded, the shard that overflowed): no token is dropped silently.
+
+  Padding was not computed, so with ``check_padding`` a loss that reads it (a gradient there
+  that is not zero) makes every gradient behind it NaN: the padded batch's value there is not
+  the zero it reads. The check is a ``custom_vjp``, which forward-mode autodiff (``jax.jvp``)
+  refuses: ``check_padding=False`` lets it through, unchecked."""
   if layout.shards is not None:
-    return map_shards(lambda block, packed: scatter_tokens(packed, block), layout, (packed,),
+    scatter = functools.partial(scatter_tokens, check_padding=check_padding)
+    return map_shards(lambda block, packed: scatter(packed, block), layout, (packed,),
                       ("packed",), "rows")
   batch, length = layout.batch_shape
   values = packed[0]
@@ -440,7 +451,9 @@ def scatter_tokens(packed: Array, layout: PackedLayout) -> Array:
   out = out.at[layout.token_rows].set(values, mode="drop", indices_are_sorted=True,
                                       unique_indices=True)
   out = out.reshape(batch, length, *values.shape[1:])
-  return _padding_unread(out, layout.mask) if jnp.issubdtype(out.dtype, jnp.inexact) else out
+  if check_padding and jnp.issubdtype(out.dtype, jnp.inexact):
+    return _padding_unread(out, layout.mask)
+  return out
 
 
 def invalid_slots(layout: PackedLayout) -> Array:
@@ -546,12 +559,14 @@ class PackedDecoderInputs:
   positions: Array
   attention_mask: Array
 
-  def unpack(self, outputs: Array) -> Array:
+  def unpack(self, outputs: Array, *, check_padding: bool = True) -> Array:
     """The decoder's ``[1, C, ...]`` outputs back at ``[B, L, ...]``, zeros at padding (all
-    NaN where the batch overflowed the capacity). Remembered with their packed rows
-    (:func:`remember_packed`): ``masked_causal_lm_loss`` of unpacked logits reads the
-    ``[C, V]`` rows, and the ``[B, L, V]`` logits are never made."""
-    return remember_packed(scatter_tokens(outputs, self.layout), outputs, self.layout)
+    NaN where the batch overflowed the capacity), a loss that reads them at padding making
+    the gradients NaN (``check_padding``: see :func:`scatter_tokens`). Remembered with their
+    packed rows (:func:`remember_packed`): ``masked_causal_lm_loss`` of unpacked logits reads
+    the ``[C, V]`` rows, and the ``[B, L, V]`` logits are never made."""
+    return remember_packed(scatter_tokens(outputs, self.layout, check_padding=check_padding),
+                           outputs, self.layout)
 
 
 def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,

@@ -167,6 +167,13 @@ def test_gradient_through_gather_and_scatter(seed, shape, kind):
   assert not np.any(np.asarray(got)[mask == 0])
   if not mask.all():  # NaN at every token it reaches.
     assert np.isnan(grad(jnp.asarray(x, jnp.float32), reads_padding)[mask == 1]).all()
+  # The check is a custom_vjp, which forward mode refuses; without it jvp goes through.
+  packed = jnp.asarray(w_packed, jnp.float32)
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jvp(lambda p: scatter_tokens(p, layout), (packed,), (packed,))
+  value, tangent = jax.jvp(lambda p: scatter_tokens(p, layout, check_padding=False),
+                           (packed,), (packed,))
+  np.testing.assert_array_equal(tangent, value)
 
 
 def _reference_allowed(mask, causal, window):
