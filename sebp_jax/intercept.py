@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sebp_jax import model_families
-from sebp_jax.context import (_LM_HEAD, DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
+from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
                               SEBPReport, record, validate_switch)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
                              sebp_dense_call, sebp_embed_call)
@@ -313,10 +313,12 @@ class use_sebp(SEBPContext):
           bound.arguments["hidden_states"], self._layout, host_mask, type(module).__name__)
       return model_families.call_bound(next_fun, bound)
     path = module_path(module)
-    # A head on a packed region's outputs (zero at padding) gives the same rows packed; a
-    # head of a model packing does not know (Bart, T5) may read other tokens.
-    if (self._packed_family is not None and isinstance(module, nn.Dense) and module.path
-        and _LM_HEAD.search(path)):
+    # A Dense on every token after a packed region (an LM head; token classification's
+    # classifier, QA's qa_outputs) acts row by row: it runs on the packed rows, and a loss
+    # that reads its outputs at padding, which packing did not compute, makes its gradients
+    # NaN too (scatter_tokens), not only the region's. A model packing does not know (Bart,
+    # T5) has no packed region.
+    if self._packed_family is not None and isinstance(module, nn.Dense) and module.path:
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
         record(self.report.packed, path)

@@ -80,6 +80,10 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     # weights for its row, a reduction along the row, which no device boundary splits.
     out_of_vocab = ((labels < 0) | (labels >= vocab)) & (weights != 0)
     weights = jnp.where(jnp.any(out_of_vocab, axis=1, keepdims=True), jnp.nan, weights)
+    # A target at a position the packing left out (padding of the model's mask): the padded
+    # batch computed logits there, the packed rows hold none. Its NaN weight makes the count
+    # of targets NaN, and so the loss and every gradient.
+    weights = jnp.where((weights != 0) & ~packed.layout.mask, jnp.nan, weights)
   num_targets = jnp.sum(weights)
   poison = jnp.float32(0)
   if capacity is not None:
@@ -93,10 +97,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     # Each packed row's label and weight (filler: label 0, weight 0), NaN where the batch
     # (a shard of it) overflowed the packing capacity: the scattered logits would be NaN.
     labels, weights = (gather_tokens(a, layout)[0] for a in (labels, weights))
-    # Targets of positions the packing left out (padding of the model's mask): the padded
-    # batch computed logits there, the packed rows hold none.
-    left_out = jnp.where(jnp.sum(weights) == num_targets, 0.0, jnp.nan)
-    poison = poison + invalid_slots(layout) + left_out
+    poison = poison + invalid_slots(layout)
   else:
     labels, weights = labels.reshape(-1), weights.reshape(-1)
     rows = logits.reshape(batch * length, vocab)
@@ -137,7 +138,11 @@ def _target_weights(attention_mask: jax.Array) -> jax.Array:
                                "the loss counts real tokens, it does not weigh them")
   real = attention_mask != 0
   weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
-  return weights if weighted is None else jnp.where(weighted, jnp.nan, weights)
+  if weighted is None:
+    return weights
+  # NaN at each such value (no reduction: a batch split over devices needs no collective),
+  # and so the count of targets, the loss and every gradient.
+  return jnp.where(weighted | jnp.pad(weighted[:, 1:], ((0, 0), (0, 1))), jnp.nan, weights)
 
 
 def causal_lm_target_count(attention_mask: jax.Array) -> jax.Array:

@@ -535,7 +535,8 @@ class use_packed_attention:
   lengths), else one mask built from the layout. The model's own ``[1, C, C]`` mask is only
   checked against the layout, at three entries per slot: another batch's mask (a second
   batch run in the context) raises where it is concrete and makes the outputs NaN where it
-  is traced; ``None`` in its place skips the check. The outputs at real tokens are those of
+  is traced (but for a batch split over devices, where a traced mask is not checked);
+  ``None`` in its place skips the check. The outputs at real tokens are those of
   the padded batch.
 
   Enter it where the packed inputs are made, best inside the traced function (the loss under

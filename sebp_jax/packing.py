@@ -198,10 +198,10 @@ def balanced_shard_order(lengths, num_shards: int) -> np.ndarray:
 
 def check_token_flags(mask: Any, name: str, why: str) -> Array | None:
   """Raises naming ``name`` where ``mask`` is concrete and holds other values than 0 and 1
-  (``why``: what those would change); for a traced mask, returns ``bool[]``, True where it
-  holds such values, for the caller to make its outputs NaN with."""
+  (``why``: what those would change); for a traced mask, returns a bool array of its shape,
+  True at such values, for the caller to make its outputs NaN with."""
   if isinstance(mask, jax.core.Tracer):
-    return jnp.any((mask != 0) & (mask != 1))
+    return (mask != 0) & (mask != 1)
   values = np.asarray(mask)
   if not np.all((values == 0) | (values == 1)):
     raise ValueError(f"{name} must hold 1 (or True) for real tokens and 0 for padding, got "
@@ -276,7 +276,7 @@ def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) ->
   invalid = num_tokens > capacity
   weighted = check_token_flags(mask, *_PACKING_FLAGS)  # Where traced: values other than 0, 1.
   if weighted is not None:
-    invalid |= weighted
+    invalid |= jnp.any(weighted)
   return PackedLayout(
       batch_shape=(batch, length),
       token_rows=rows,
@@ -515,8 +515,11 @@ def checked_decoder_mask(layout: PackedLayout, given: Array | None) -> Array | N
   just before that and just after itself. A mask of another layout (a run of slots ending at
   each slot) then equals it, and a plain causal or a bidirectional mask fails. A concrete
   mismatch raises; a traced one is returned as a ``bool[]`` (True: it matches) for the
-  caller to poison its outputs with; None where nothing was given or all is concrete."""
-  if given is None:
+  caller to poison its outputs with; None where nothing was given or all is concrete, and
+  where the layout is split over devices and the mask traced (its entries would cross
+  devices: that case goes unchecked)."""
+  traced = any(isinstance(a, jax.core.Tracer) for a in (given, *jax.tree.leaves(layout)))
+  if given is None or (traced and layout.shards is not None):
     return None
   capacity = layout.capacity
   if jnp.shape(given) != (1, capacity, capacity):

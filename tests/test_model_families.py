@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from transformers import (BertConfig, FlaxBertForSequenceClassification, FlaxLlamaForCausalLM,
+from transformers import (BertConfig, FlaxBertForSequenceClassification,
+                          FlaxBertForTokenClassification, FlaxLlamaForCausalLM,
                           FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
                           LlamaConfig, MistralConfig, RobertaConfig)
 
@@ -184,6 +185,36 @@ def test_bert_packed_gradients_equal_dense(tiny_bert, packed_bert, attention):
     assert_matches_dense(packed(tiny_bert.params, *batch), dense(tiny_bert.params, *batch))
   (report,) = reports
   assert report.packed == ["bert/encoder"] and report.capacity == capacity
+
+
+def test_a_token_classifier_runs_on_the_packed_rows():
+  """BERT token classification: the classifier after the packed encoder runs on the packed
+  rows. A token loss masked on padding gives the dense gradient; one that reads the logits at
+  padding (not computed) makes every gradient NaN, the classifier's too, eager and traced."""
+  model = FlaxBertForTokenClassification(_encoder_config(BertConfig, num_labels=3), seed=4)
+  rng = np.random.default_rng(31)
+  mask = _mask(rng, "left")
+  ids, labels = _ids(rng, mask), rng.integers(0, 3, size=mask.shape)
+  capacity = int(mask.sum()) + 2
+
+  def loss(params, mask, packed, weights):
+    reports = []
+    with _packing(capacity if packed else None, mask, reports):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    assert not packed or reports[0].packed == ["bert/encoder", "classifier"]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(losses * weights) / jnp.sum(weights)
+
+  grad = jax.value_and_grad(loss)
+  jit_grad = jax.jit(grad, static_argnums=2)
+  assert_matches_dense(jit_grad(model.params, mask, True, mask),
+                       grad(model.params, mask, False, mask))
+  everywhere = np.ones_like(mask)
+  for run in (grad, jit_grad):
+    value, grads = run(model.params, mask, True, everywhere)
+    assert np.isfinite(value)  # the zeros it read: the gradients say what they cost
+    assert all(np.isnan(g).all() for g in jax.tree.leaves(grads["classifier"]))
+    assert all(np.isnan(g).any() for g in jax.tree.leaves(grads))
 
 
 def test_traced_overflow_is_loud(tiny_bert, packed_bert):

@@ -1,6 +1,7 @@
 """`sebp_jax.nnx.use_sebp` on a model nobody here wrote: Tunix's NNX Llama 3 (its own einsum
 attention projections, nnx.Linear MLP, nnx.remat of its blocks), gradients equal `nnx.grad`."""
 
+import re
 import threading
 
 import jax
@@ -260,8 +261,16 @@ def test_row_attention_over_thousands_of_packed_tokens():
   hlo = jax.jit(lambda s: nnx.value_and_grad(packed_loss)(nnx.merge(graphdef, s))).lower(
       state).compile().as_text()
   batch, length = ids.shape
-  assert f"{capacity},{capacity}]" not in hlo
+  # The mask's check reads three entries per slot, fused into the mask's computation.
+  assert f"{capacity},{capacity}]" not in _unfused(hlo)
   assert f"[{batch},{length},96]" not in hlo and f"[{batch * length},96]" not in hlo
+
+
+def _unfused(hlo: str) -> str:
+  """Compiled HLO text less the computations of its fusions, whose shapes no buffer holds."""
+  fused = set(re.findall(r"kind=k\w+, calls=(%[\w.\-]+)", hlo))
+  computations = re.split(r"\n(?=\S)", hlo)
+  return "\n".join(c for c in computations if c.split(" ", 1)[0] not in fused)
 
 
 def test_use_packed_attention_restores_the_model_and_refuses_misuse():
