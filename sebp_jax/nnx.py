@@ -583,7 +583,10 @@ class use_packed_attention:
                          f"pack_decoder_inputs(window=), not the model's own ({window})")
       out = packed_attention(query, key, value, layout, window=layout.window,
                              method=self.attention, **options)
-      return out if matches is None else jnp.where(matches, out, jnp.nan)
+      if matches is None:
+        return out
+      # Added, not selected, so that every gradient behind it is NaN too rather than zero.
+      return out + jnp.where(matches, 0, jnp.nan).astype(out.dtype)
     return core
 
   def __enter__(self) -> "use_packed_attention":

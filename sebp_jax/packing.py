@@ -231,8 +231,9 @@ def pack_layout(mask: Array, capacity: int,
   # Rows of row_attention: as long as a row can be (no longer than the capacity), even for
   # cuDNN's backward.
   row_width, contiguous = min(length, capacity), False
-  check_token_flags(mask, *_PACKING_FLAGS)
-  if not isinstance(mask, jax.core.Tracer):
+  check_token_flags(mask, *_PACKING_FLAGS)  # Raises for a concrete mask.
+  traced = isinstance(mask, jax.core.Tracer)
+  if not traced:
     host = np.asarray(mask) != 0
     num_tokens = int(shard_row_counts(host, num_shards).max())
     if num_tokens > capacity:
@@ -249,10 +250,10 @@ def pack_layout(mask: Array, capacity: int,
     contiguous = bool(np.all(spans == lengths))
   row_width += row_width % 2
   if sharding is None:
-    return _pack_block(mask, capacity, row_width, contiguous)
+    return _pack_block(mask, capacity, row_width, contiguous, traced)
 
   def block(local_mask):
-    return _shard_leaves(_pack_block(local_mask, capacity, row_width, contiguous))
+    return _shard_leaves(_pack_block(local_mask, capacity, row_width, contiguous, traced))
 
   leaves = jax.shard_map(block, mesh=sharding.mesh, in_specs=P(sharding.axes),
                          out_specs=P(sharding.axes), axis_names=frozenset(sharding.axes),
@@ -261,8 +262,10 @@ def pack_layout(mask: Array, capacity: int,
                       contiguous=contiguous, shards=sharding)
 
 
-def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) -> PackedLayout:
-  """:func:`pack_layout` of one device's mask, its static fields given."""
+def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool,
+                check_values: bool) -> PackedLayout:
+  """:func:`pack_layout` of one device's mask, its static fields given; ``check_values``: a
+  traced mask, whose values other than 0 and 1 make the layout ``invalid``."""
   batch, length = jnp.shape(mask)
   flat = jnp.reshape(mask, (-1,)) != 0
   num_rows = flat.shape[0]
@@ -274,9 +277,8 @@ def _pack_block(mask: Array, capacity: int, row_width: int, contiguous: bool) ->
   grid = jnp.reshape(flat, (batch, length))
   ranks = jnp.reshape(jnp.cumsum(grid, axis=1, dtype=jnp.int32) - 1, (-1,))
   invalid = num_tokens > capacity
-  weighted = check_token_flags(mask, *_PACKING_FLAGS)  # Where traced: values other than 0, 1.
-  if weighted is not None:
-    invalid |= jnp.any(weighted)
+  if check_values:
+    invalid |= jnp.any(check_token_flags(mask, *_PACKING_FLAGS))
   return PackedLayout(
       batch_shape=(batch, length),
       token_rows=rows,

@@ -205,17 +205,21 @@ def test_a_mask_of_other_packed_inputs_raises_or_gives_nan():
       with pytest.raises(ValueError, match="not the one pack_decoder_inputs made"):
         model(other.input_ids, other.positions, None, other.attention_mask)
 
-  def run(given_mask):
+  def run_on(model, given_mask):
     with sebp_nnx.use_packed_attention(model, packed.layout):
       logits, _ = model(packed.input_ids, packed.positions, None, given_mask)
     return logits
 
-  run = nnx.jit(run)
+  run = nnx.jit(lambda given_mask: run_on(model, given_mask))
   good = run(packed.attention_mask)
   assert np.isfinite(np.asarray(good)).all()
   np.testing.assert_array_equal(run(None), good)
   for other in mismatches.values():
     assert np.isnan(np.asarray(run(other.attention_mask))).all()
+  # Every gradient NaN too, not zero behind the attention.
+  grads = nnx.jit(nnx.grad(lambda model, given: jnp.sum(run_on(model, given) ** 2)))(
+      model, mismatches["another batch"].attention_mask)
+  assert all(np.isnan(g).any() for g in jax.tree.leaves(nnx.state(grads, nnx.Param)))
   # A plain causal mask over the packed sequence attends across rows.
   causal = np.tril(np.ones((capacity, capacity), bool))[None]
   assert np.isnan(np.asarray(run(causal))).all()
