@@ -484,11 +484,15 @@ def attention_mask(layout: PackedLayout, *, causal: bool,
     offset = lambda block: (block.segment_ids + jax.lax.axis_index(layout.shards.axes)
                             * (block.batch_shape[0] + 1))[None]
     seg = map_shards(offset, layout, (), (), "packed")[0]
-  allowed = seg[:, None] == seg[None, :]
+  key_seg, key_col = seg, col
+  if layout.shards is not None:
+    # The queries stay split; under Explicit axes the keys' side is typed whole.
+    key_seg, key_col = layout.shards.whole(seg), layout.shards.whole(col)
+  allowed = seg[:, None] == key_seg[None, :]
   if causal:
-    allowed &= col[None, :] <= col[:, None]
+    allowed &= key_col[None, :] <= col[:, None]
   if window is not None:
-    allowed &= col[None, :] >= col[:, None] - window
+    allowed &= key_col[None, :] >= col[:, None] - window
   return allowed[None, None]
 
 

@@ -103,6 +103,14 @@ class RowSharding:
       return array
     return jax.sharding.reshard(array, self.rows_spec(jnp.ndim(array)))
 
+  def whole(self, array: Array | None) -> Array | None:
+    """``array`` whole on every device: under ``Explicit`` axes typed as replicated (as a
+    ``jax.shard_map`` takes what every shard reads, or an operand that meets the rows along
+    another dimension); under ``Auto`` axes as it is."""
+    if array is None or not self.explicit:
+      return array
+    return jax.sharding.reshard(array, P())
+
 
 def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
   """``(mesh, axes)`` of the ``Explicit`` mesh axes that split ``x``'s first dimension
@@ -195,13 +203,6 @@ def _warn_undivided_rows(shape: tuple[int, ...], axes: tuple[str, ...], num_shar
       "which packs them itself.", shape, axes, num_shards)
 
 
-def _as_replicated(sharding: RowSharding, array: Array | None) -> Array | None:
-  # Under an Explicit mesh shard_map takes arrays typed as its in_specs say.
-  if array is None or not sharding.explicit:
-    return array
-  return jax.sharding.reshard(array, P())
-
-
 def _floating_as(array: Array, dtype: Any) -> Array:
   """``array`` cast to ``dtype`` where both are given and it is floating; else as it is."""
   if dtype is None or not jnp.issubdtype(array.dtype, jnp.floating):
@@ -256,7 +257,7 @@ def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None
   row_outputs, stacked = jax.shard_map(
       block, mesh=sharding.mesh, in_specs=(split, P()), out_specs=(split, split),
       axis_names=frozenset(sharding.axes), check_vma=False,
-  )(tuple(sharding.split_rows(r) for r in rows), tuple(_as_replicated(sharding, w) for w in whole))
+  )(tuple(sharding.split_rows(r) for r in rows), tuple(sharding.whole(w) for w in whole))
   sums = []
   for partial, like in zip(stacked, sums_like):
     if partial is None:

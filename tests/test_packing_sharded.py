@@ -259,6 +259,37 @@ def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
     np.testing.assert_allclose(got[2][:, slots], out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_decoder_inputs_packed_per_shard_under_either_mesh_type(axis_type):
+  """`pack_decoder_inputs` on a batch split over devices, under either mesh type (an Explicit
+  one read from the mask's type): each shard's slots hold its block's own packing, and the
+  one mask over every shard's slots keeps the shards' sequences apart."""
+  ids, mask, _ = _batch(8, "holes")
+  capacity, window = 32, 3
+  mesh = _mesh(axis_type)
+  axes = {} if axis_type == AxisType.Explicit else dict(batch_axes="data", mesh=mesh)
+
+  def pack(ids, mask):
+    inputs = pack_decoder_inputs(ids, mask, capacity, window=window, **axes)
+    return inputs.input_ids, inputs.positions, inputs.attention_mask
+
+  with jax.set_mesh(mesh):
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    got = [np.asarray(a) for a in jax.jit(pack)(put(ids), put(mask))]
+  assert got[2].shape == (1, SHARDS * capacity, SHARDS * capacity)
+  per = BATCH // SHARDS
+  for shard in range(SHARDS):
+    block = slice(shard * per, (shard + 1) * per)
+    slots = slice(shard * capacity, (shard + 1) * capacity)
+    want = pack_decoder_inputs(ids[block], mask[block], capacity, window=window)
+    np.testing.assert_array_equal(got[0][:, slots], want.input_ids)
+    np.testing.assert_array_equal(got[1][:, slots], want.positions)
+    np.testing.assert_array_equal(got[2][:, slots, slots], want.attention_mask)
+    others = np.ones(SHARDS * capacity, bool)
+    others[slots] = False
+    assert not got[2][:, slots][..., others].any()
+
+
 def tiny_nnx_llama():
   """Tunix's NNX Llama at toy sizes, random weights: ``(graphdef, params)``."""
   from flax import nnx
