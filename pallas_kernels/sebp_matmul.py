@@ -452,8 +452,9 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
   _check_operand_dtypes(dy=dy, kernel=kernel)
-  if active_rows.shape[0] == 0:
-    return jnp.zeros((0, d), dy.dtype)
+  if 0 in (active_rows.shape[0], num_rows, d, n):
+    # Nothing to tile: an empty result, or zeros (no rows to read, or empty sums).
+    return gathered_dx_reference(dy, kernel, active_rows)
   block_sizes = block_sizes or default_block_sizes(
       "dx", d, n, jnp.promote_types(dy.dtype, kernel.dtype))
   block_sizes = dataclasses.replace(
@@ -503,6 +504,10 @@ def gathered_dw_db(
   if dy_rows != num_rows:
     raise ValueError(f"x {x.shape} and dy {dy.shape} disagree on T")
   _check_operand_dtypes(x=x, dy=dy)
+  if 0 in (active_rows.shape[0], num_rows, d, n):
+    # Nothing to tile: an empty result, or sums of no rows (zero, or the poison).
+    dw, db = gathered_dw_db_reference(x, dy, active_rows, with_bias=with_bias, poison=poison)
+    return dw.astype(dw_dtype or x.dtype), None if db is None else db.astype(db_dtype or dy.dtype)
   block_sizes = block_sizes or default_block_sizes(
       "dw", d, n, jnp.promote_types(x.dtype, dy.dtype))
   block_sizes = dataclasses.replace(
@@ -519,9 +524,16 @@ def gathered_dw_db(
 # ---------------------------------------------------------------------------
 
 
+def _rows_at(array, active_rows):
+  """``array``'s rows at ``active_rows``, zero at the sentinel (all of them, with no rows)."""
+  if array.shape[0] == 0:
+    return jnp.zeros((active_rows.shape[0], *array.shape[1:]), array.dtype)
+  return array.at[active_rows].get(mode="fill", fill_value=0)
+
+
 def gathered_dx_reference(dy, kernel, active_rows):
   """Reference for ``gathered_dx``: the kept rows ``[K, D]`` in ``dy.dtype``."""
-  rows = dy.at[active_rows].get(mode="fill", fill_value=0)
+  rows = _rows_at(dy, active_rows)
   dx_rows = jnp.dot(rows, kernel.T, precision=lax.Precision.HIGHEST,
                     preferred_element_type=jnp.float32)
   is_row = (active_rows < dy.shape[0])[:, None]
@@ -532,8 +544,7 @@ def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool,
                              poison=None):
   """Reference for ``gathered_dw_db``: ``(dW [D, N], db [N] or None)``."""
   start = jnp.float32(0) if poison is None else poison
-  x_rows = x.at[active_rows].get(mode="fill", fill_value=0)
-  dy_rows = dy.at[active_rows].get(mode="fill", fill_value=0)
+  x_rows, dy_rows = _rows_at(x, active_rows), _rows_at(dy, active_rows)
   dw = start + jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
   db = start + dy_rows.astype(jnp.float32).sum(axis=0) if with_bias else None

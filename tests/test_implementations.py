@@ -52,6 +52,7 @@ def test_the_implementations_are_registered():
     (64, 32, 48, 10, 16),   # padded slots: fewer active rows than top_n
     (37, 50, 24, 30, 12),   # more active rows than top_n; odd sizes
     (40, 16, 16, 0, 8),     # no active row at all
+    (20, 0, 16, 5, 8),      # no input features: dX and dW empty, db not
 ])
 def test_matches_float64_reference(name, dtype, num_rows, in_features, out_features,
                                    num_nonzero, top_n):

@@ -483,6 +483,35 @@ def test_zero_slots():
   assert np.all(_f64(dw) == 0.0) and np.all(_f64(db) == 0.0)
 
 
+@pytest.mark.parametrize("num_rows,d,n", [(20, 0, 24), (20, 16, 0), (0, 16, 24)],
+                         ids=["no-features-in", "no-features-out", "no-rows"])
+def test_empty_dimensions(num_rows, d, n):
+  """A layer with no input or output features, or no rows: dx, dW and db of their shapes
+  and dtypes, equal to the float64 sums (db of the kept rows where there are any), and NaN
+  throughout from a NaN poison."""
+  rng = np.random.default_rng(12)
+  x = _random(rng, (num_rows, d), jnp.bfloat16)
+  dy = _random(rng, (num_rows, n), jnp.bfloat16)
+  kernel = _random(rng, (d, n), jnp.bfloat16)
+  active_rows = jnp.asarray([0, 3, num_rows, num_rows][:4 if num_rows else 2], jnp.int32)
+  active_rows = jnp.minimum(active_rows, num_rows)
+
+  dx = gathered_dx(dy, kernel, active_rows, block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, dw_dtype=jnp.float32,
+                          block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+  assert dx.shape == (active_rows.shape[0], d) and dx.dtype == jnp.bfloat16
+  assert (dw.shape, dw.dtype, db.shape, db.dtype) == ((d, n), jnp.float32, (n,), jnp.bfloat16)
+  kept = [row for row in np.asarray(active_rows) if row < num_rows]
+  dy_rows = _f64(dy)[kept]
+  np.testing.assert_array_equal(_f64(dx)[:len(kept)], dy_rows @ _f64(kernel).T)
+  assert not np.any(_f64(dx)[len(kept):])
+  np.testing.assert_array_equal(_f64(dw), _f64(x)[kept].T @ dy_rows)
+  np.testing.assert_allclose(_f64(db), dy_rows.sum(0), rtol=1e-2)
+  dw, db = gathered_dw_db(x, dy, active_rows, with_bias=True, poison=jnp.float32(np.nan),
+                          block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+  assert np.isnan(_f64(dw)).all() and np.isnan(_f64(db)).all()
+
+
 @pytest.mark.skipif(INTERPRET, reason="compiles the large default tiles")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_default_tiles_of_large_layers(dtype):
