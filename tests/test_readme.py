@@ -40,14 +40,15 @@ def test_quick_start_and_the_several_gpus_snippets_after_it_run_and_are_exact():
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return jnp.sum(losses * mask) / jnp.sum(mask)
 
-  assert_every_gradient_close(scope["grads"], jax.grad(dense_loss)(params))
+  assert_every_gradient_close(scope["grads"], jax.jit(jax.grad(dense_loss))(params))
   bert, input_ids, sentiment = scope["bert"], scope["input_ids"], scope["sentiment"]
 
   def bert_dense_loss(params):
     logits = bert(input_ids, attention_mask=mask, params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, sentiment).mean()
 
-  assert_every_gradient_close(scope["bert_grads"], jax.grad(bert_dense_loss)(bert.params))
+  assert_every_gradient_close(scope["bert_grads"], jax.jit(jax.grad(bert_dense_loss))(
+      bert.params))
 
   data_parallel, fsdp, decoder_fsdp = _python_blocks("### Several GPUs: `batch_axes`")
   exec(compile(data_parallel + fsdp + decoder_fsdp, str(README), "exec"), scope)
