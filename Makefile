@@ -22,4 +22,4 @@ demo: $(STAMP)
 	$(PYTHON) -m examples.finetune_bert_sst2
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 --dist worksteal
+	$(PYTHON) -m pytest -q -n 2 --dist worksteal --durations=25
