@@ -506,8 +506,8 @@ def gathered_dw_db(
   _check_operand_dtypes(x=x, dy=dy)
   if 0 in (active_rows.shape[0], num_rows, d, n):
     # Nothing to tile: an empty result, or sums of no rows (zero, or the poison).
-    dw, db = gathered_dw_db_reference(x, dy, active_rows, with_bias=with_bias, poison=poison)
-    return dw.astype(dw_dtype or x.dtype), None if db is None else db.astype(db_dtype or dy.dtype)
+    return gathered_dw_db_reference(x, dy, active_rows, with_bias=with_bias, poison=poison,
+                                    dw_dtype=dw_dtype, db_dtype=db_dtype)
   block_sizes = block_sizes or default_block_sizes(
       "dw", d, n, jnp.promote_types(x.dtype, dy.dtype))
   block_sizes = dataclasses.replace(
@@ -541,11 +541,13 @@ def gathered_dx_reference(dy, kernel, active_rows):
 
 
 def gathered_dw_db_reference(x, dy, active_rows, *, with_bias: bool,
-                             poison=None):
-  """Reference for ``gathered_dw_db``: ``(dW [D, N], db [N] or None)``."""
+                             poison=None, dw_dtype=None, db_dtype=None):
+  """Reference for ``gathered_dw_db``: ``(dW [D, N], db [N] or None)``, each rounded once
+  from the float32 sums to ``dw_dtype`` / ``db_dtype`` (None: ``x.dtype``, ``dy.dtype``)."""
   start = jnp.float32(0) if poison is None else poison
   x_rows, dy_rows = _rows_at(x, active_rows), _rows_at(dy, active_rows)
   dw = start + jnp.dot(x_rows.T, dy_rows, precision=lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
   db = start + dy_rows.astype(jnp.float32).sum(axis=0) if with_bias else None
-  return dw.astype(x.dtype), None if db is None else db.astype(dy.dtype)
+  return (dw.astype(dw_dtype or x.dtype),
+          None if db is None else db.astype(db_dtype or dy.dtype))
