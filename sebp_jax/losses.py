@@ -64,7 +64,15 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     positions get exactly zero weight, so their rows of every layer's output gradient are
     exactly zero (what SEBP with a shared mask index relies on).
   """
+  if jnp.ndim(logits) != 3:
+    raise ValueError(f"logits must be [B, L, V], got shape {jnp.shape(logits)}")
   batch, length, vocab = logits.shape
+  for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+    if jnp.shape(array) != (batch, length):
+      raise ValueError(f"{name} must be [B, L] = {(batch, length)}, the logits' first two "
+                       f"dimensions (position t's logits predict token t + 1 of the same "
+                       f"[B, L]), got shape {jnp.shape(array)}")
+  input_ids = _token_ids(input_ids, "input_ids")
   if head_chunk is not None and head_chunk != "auto" and not (
       isinstance(head_chunk, numbers.Integral) and not isinstance(head_chunk, bool)
       and head_chunk > 0):
@@ -89,7 +97,8 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
   if capacity is not None:
     capacity = validate_top_n(capacity, "capacity")
     if packed is None:
-      poison = jnp.where(num_targets > capacity, jnp.nan, 0.0)
+      # Counted as integers: a float32 sum stops counting one by one past 2**24 targets.
+      poison = jnp.where(jnp.count_nonzero(weights) > capacity, jnp.nan, 0.0)
   head = None
   if packed is not None:
     layout = packed.layout
@@ -165,6 +174,15 @@ def head_chunk_rows(vocab: int) -> int:
   """Rows per chunk of ``head_chunk="auto"``: at most :data:`HEAD_CHUNK_BYTES` of float32
   logits, a multiple of 8."""
   return max(8, HEAD_CHUNK_BYTES // (4 * vocab) // 8 * 8)
+
+
+def _token_ids(ids: jax.Array, name: str) -> jax.Array:
+  """``ids`` of an integer dtype, at least 32 bits wide: compared with a vocabulary size, a
+  narrower dtype would wrap it (256 is 0 as a uint8)."""
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+  return ids.astype(jnp.int32) if ids.dtype.itemsize < 4 else ids
 
 
 def _labels_in_vocabulary(labels: jax.Array, weights: jax.Array,
@@ -262,7 +280,8 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
-  labels, weights = _labels_in_vocabulary(labels, weights, kernel.shape[-1])
+  labels, weights = _labels_in_vocabulary(_token_ids(labels, "labels"), weights,
+                                          kernel.shape[-1])
   return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights), chunk,
                                precision)
 

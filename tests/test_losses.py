@@ -247,3 +247,58 @@ def test_a_mask_of_other_values_than_zero_and_one_raises():
     assert np.isnan(value) and np.isnan(grad[0, :2]).all()
   for mask in (np.array([[True, True, False, False]]), np.array([[1.0, 1.0, 0.0, 0.0]])):
     np.testing.assert_allclose(masked_causal_lm_loss(logits, ids, mask), np.log(5), rtol=1e-6)
+
+
+def test_ids_and_mask_must_be_the_logits_batch_and_length():
+  """Positions are matched by place: ids or a mask of another shape (logits cut to
+  ``[:, :-1]``, a mask broadcast over the batch, ``[L, B]`` of the same size) would read
+  other positions' targets and weights, so they raise, with or without a capacity."""
+  rng = np.random.default_rng(7)
+  logits = jnp.asarray(rng.standard_normal((2, 3, 7)), jnp.float32)
+  ids = rng.integers(0, 7, size=(2, 3)).astype(np.int32)
+  mask = np.ones((2, 3), np.int32)
+  for capacity in (None, 4):
+    loss = functools.partial(masked_causal_lm_loss, capacity=capacity)
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, L\] = \(2, 2\)"):
+      loss(logits[:, :-1], ids, mask)
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, L\] = \(2, 3\)"):
+      loss(logits, ids, mask[:1])
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, L\] = \(2, 3\)"):
+      loss(logits, ids.T, mask.T)
+  with pytest.raises(ValueError, match=r"logits must be \[B, L, V\]"):
+    masked_causal_lm_loss(logits[0], ids, mask)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16])
+def test_ids_of_a_narrow_integer_dtype_give_the_int32_loss(dtype):
+  """A vocabulary of as many ids as the ids' dtype holds (256 for uint8): the ids are compared
+  with its size as int32, where their own dtype would wrap it (to 0 for uint8)."""
+  vocab = int(np.iinfo(dtype).max) + 1
+  rng = np.random.default_rng(8)
+  logits = jnp.asarray(rng.standard_normal((2, 6, vocab)), jnp.float32)
+  ids = rng.integers(0, vocab, size=(2, 6))
+  ids[0, 2] = vocab - 1
+  mask = (np.arange(6)[None] < np.array([[6], [4]])).astype(np.int32)
+  want = _reference(logits, ids, mask)
+  for capacity in (None, 8):
+    loss = functools.partial(masked_causal_lm_loss, capacity=capacity)
+    np.testing.assert_allclose(loss(logits, ids.astype(dtype), mask), want, rtol=1e-6)
+    np.testing.assert_array_equal(jax.grad(loss)(logits, ids.astype(dtype), mask),
+                                  jax.grad(loss)(logits, ids.astype(np.int32), mask))
+  x = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((4, vocab)), jnp.float32)
+  labels, weights = ids.reshape(-1)[:5], jnp.ones(5)
+  np.testing.assert_array_equal(
+      linear_cross_entropy(x, kernel, None, labels.astype(dtype), weights, chunk=2),
+      linear_cross_entropy(x, kernel, None, labels.astype(np.int32), weights, chunk=2))
+  with pytest.raises(ValueError, match="input_ids must be integer token ids"):
+    masked_causal_lm_loss(logits, ids.astype(np.float32), mask)
+
+
+def test_a_capacity_one_short_of_more_than_2_to_the_24_targets_gives_nan():
+  """The targets are counted as integers: a float32 sum of 2**24 + 1 ones is 2**24, which
+  would let a capacity of 2**24 drop the last target silently."""
+  length = 2**24 + 2
+  loss = jax.jit(functools.partial(masked_causal_lm_loss, capacity=2**24))
+  assert np.isnan(loss(jnp.zeros((1, length, 1)), jnp.zeros((1, length), jnp.int32),
+                       jnp.ones((1, length), jnp.int8)))
