@@ -14,7 +14,8 @@ Why the choices:
   active. Where more rows are active than a capacity holds, ``overflow`` says what happens;
   the default runs a larger capacity chosen at run time, so the gradient is always exact.
 * The residuals are the dense backward's (the inputs in the compute dtype), plus the
-  ``[top_n]`` index when one is given.
+  ``[top_n]`` index when one is given (and the bias, whose type its gradient takes, under
+  Explicit mesh axes).
 * The cast to the compute dtype happens inside the op, so that the gradients come back in the
   arguments' own dtypes straight from the float32 sums: a float32 kernel used in bf16 gets
   its dW rounded once, not first to bf16 as autodiff through the cast would round it.
@@ -158,8 +159,10 @@ def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
   # Which rows of x are finite, for the backward (linear_backward's finite_x_rows): reduced
   # here, where XLA can fuse the pass with whatever wrote x.
   finite_x_rows = jnp.all(jnp.isfinite(x), axis=-1)
+  # The bias only types its gradient, where Explicit mesh axes split the rows.
+  typed_bias = bias if config.sharding is not None and config.sharding.explicit else None
   return (_dense_forward(x, kernel, bias, config.precision),
-          (x, kernel, active_rows, finite_x_rows))
+          (x, kernel, typed_bias, active_rows, finite_x_rows))
 
 
 def _linear_grads(config: _LinearConfig, rows, whole):
@@ -179,14 +182,16 @@ def _linear_grads(config: _LinearConfig, rows, whole):
 
 
 def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
-  x, kernel, active_rows, finite_x_rows = residuals
+  x, kernel, bias, active_rows, finite_x_rows = residuals
   grads = functools.partial(_linear_grads, config)
   if config.sharding is None:
     (dx,), (dkernel, dbias) = grads((x, dy, active_rows, finite_x_rows), (kernel,))
   else:
     (dx,), (dkernel, dbias) = map_row_shards(
         grads, config.sharding, rows=(x, dy, active_rows, finite_x_rows), whole=(kernel,),
-        sums_like=(kernel, None), sums_dtype=kernel.dtype)
+        sums_like=(kernel, bias), sums_dtype=kernel.dtype)
+    if config.sharding.explicit:  # The shards' rows come back split by their first dim only.
+      dx = jax.sharding.reshard(dx, jax.typeof(x).sharding.spec)
   dx, dkernel, dbias = (None if g is None else g.astype(dtype)
                         for g, dtype in zip((dx, dkernel, dbias), config.grad_dtypes))
   return dx, dkernel, dbias, None

@@ -48,7 +48,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen.dtypes import promote_dtype
 from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
@@ -315,6 +314,10 @@ def split_table_lookup(shard: Array, ids: Array, axis: str, num_embeddings: int)
   if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
     raise ValueError(f"ids must be integer token ids, got dtype {jnp.asarray(ids).dtype}")
   rows = shard.shape[0]
+  if num_embeddings > rows * jax.lax.axis_size(axis):
+    raise ValueError(f"num_embeddings ({num_embeddings}) must be at most the rows of the "
+                     f"table split over {axis!r}: {rows} a device, "
+                     f"{rows * jax.lax.axis_size(axis)} in all")
   # The ids cross in their own dtype, and each device reads them as jnp.take would.
   every = table_row_ids(jax.lax.all_gather(ids, axis), num_embeddings)  # [devices, *ids]
   local = every - jax.lax.axis_index(axis) * rows
@@ -373,7 +376,7 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
       if (dimension != 0 or not jnp.issubdtype(jnp.asarray(inputs).dtype, jnp.integer)
           or (lookups == "auto" and devices * jnp.size(inputs) >= module.num_embeddings)):
         return next_fun(*args, **kwargs)
-      (shard,) = promote_dtype(shard, dtype=module.dtype, inexact=False)
+      (shard,) = module.promote_dtype(shard, dtype=module.dtype, inexact=False)
       return split_table_lookup(shard, inputs, axis, module.num_embeddings)
     if _plain(module, nn.Dense) and module.has_variable("params", "kernel"):
       kernel, dimension = shards.get(id(module.get_variable("params", "kernel")), (None, None))
@@ -540,8 +543,10 @@ def shard_row_counts(mask: Any, num_shards: int) -> np.ndarray:
 
 _COLLECTIVE = re.compile(
     r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
-_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]")
-_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64}
+# Every XLA element type: pred, s4-s64 and u4-u64, bf16, f16-f64, the f8 and f4 kinds
+# (f8e4m3fn, ...), c64 and c128; the bits are the number after the first letters.
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+(?:e\d+m\d+[a-z]*)?|c64|c128)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
 
 
 def _result_type(type_text: str, started: bool) -> str:
@@ -565,7 +570,7 @@ def collective_sizes(compiled: Any) -> list[tuple[str, int]]:
   for type_text, kind, started in _COLLECTIVE.findall(compiled.as_text()):
     size = 0
     for dtype, dims in _ARRAY.findall(_result_type(type_text, bool(started))):
-      bits = _BITS.get(dtype) or int(dtype[1:])
+      bits = _BITS.get(dtype) or int(re.match(r"[a-z]+(\d+)", dtype)[1])
       size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
     found.append((kind, size))
   return found

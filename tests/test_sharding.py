@@ -655,6 +655,75 @@ def test_fsdp_loss_looks_a_table_up_in_place_where_that_moves_fewer_rows():
       "all-gather": 3, "reduce-scatter": 2, "all-reduce": 2}
 
 
+def test_fsdp_loss_looks_a_table_up_in_place_through_its_own_promote_dtype():
+  """An `nn.Embed` with a `promote_dtype` of its own (a cast to bfloat16) looked up in place
+  reads its rows through it, as its own forward does: one device's loss and gradient."""
+  def to_bf16(*arrays, dtype=None, inexact=True):
+    return tuple(None if a is None else jnp.asarray(a, jnp.bfloat16) for a in arrays)
+
+  net = nn.Embed(64, 8, promote_dtype=to_bf16)
+  rng = np.random.default_rng(6)
+  ids = jnp.asarray(rng.integers(0, 64, size=(8, 1)), jnp.int32)
+  params = {"embedding": jnp.asarray(rng.normal(size=(64, 8)) + 1 / 3, jnp.float32)}
+  loss = lambda params, ids: jnp.mean(net.apply({"params": params}, ids).astype(jnp.float32))
+  want = jax.value_and_grad(loss)(params, ids)
+  mesh = _mesh(AxisType.Auto)
+  args = (_put(params, mesh, P("data")), _put(ids, mesh, P("data")))
+  for lookups in ("auto", True):
+    got = jax.jit(jax.value_and_grad(fsdp_loss(loss, mesh, {"embedding": P("data")},
+                                                lookups_in_place=lookups)))(*args)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1]["embedding"], want[1]["embedding"])
+
+
+def test_collective_sizes_read_every_element_type():
+  """The bytes of a collective's result in each XLA element type, complex and 8- and 4-bit
+  floats and ints included."""
+  class Compiled:
+    def __init__(self, text):
+      self.text = text
+
+    def as_text(self):
+      return self.text
+
+  for element, size in [("f32", 4), ("bf16", 2), ("pred", 1), ("c64", 8), ("c128", 16),
+                        ("f8e4m3fn", 1), ("f8e5m2", 1), ("s4", 0.5), ("u8", 1), ("f64", 8)]:
+    hlo = (f"  %g = {element}[16,8]{{1,0}} all-gather({element}[4,8]{{1,0}} %p), "
+           f"dimensions={{0}}\n"
+           f"  %s = ((f32[4]{{0}}), {element}[2,4]{{1,0}}) all-reduce-start(%q)\n")
+    assert collective_sizes(Compiled(hlo)) == [("all-gather", int(128 * size)),
+                                                ("all-reduce", int(8 * size))], element
+
+
+@pytest.mark.parametrize("x_spec,kernel_spec,bias_spec", [
+    (P("data"), P(None, "model"), P("model")),  # The kernel's columns and bias split.
+    (P("data", "model"), P(), P()),  # A sequence axis split too.
+], ids=str)
+def test_ops_on_a_two_dimensional_explicit_mesh_give_grads_typed_as_their_inputs(
+    x_spec, kernel_spec, bias_spec):
+  """sebp_linear on an Explicit data x model mesh, rows split over "data": one device's
+  gradients, each typed as the array it is the gradient of."""
+  keys = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(keys[0], (BATCH, 4, 6))
+  kernel, bias = jax.random.normal(keys[1], (6, 8)), jax.random.normal(keys[2], (8,))
+  mask = _mask(5, length=4)
+
+  def loss(x, kernel, bias, sebp):
+    y = (sebp_linear(x, kernel, bias, top_n=3, backend="xla") if sebp
+         else jnp.einsum("bld,dn->bln", x, kernel) + bias)
+    return _masked_loss(y, mask)
+
+  want = jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias, False)
+  mesh = _mesh(AxisType.Explicit, (2, 2), ("data", "model"))
+  with jax.set_mesh(mesh):
+    args = tuple(_put(a, mesh, spec) for a, spec in
+                 zip((x, kernel, bias), (x_spec, kernel_spec, bias_spec)))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(*args, True)
+  assert_every_gradient_close(got, want, rtol=2e-5)
+  for grad, arg in zip(got, args):
+    assert jax.typeof(grad).sharding.spec == jax.typeof(arg).sharding.spec
+
+
 @pytest.mark.parametrize("bias_spec,head_chunk", [(P(), None), (P("data"), None), (P(), 4)],
                          ids=str)
 def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_columns(
@@ -800,6 +869,12 @@ def test_fsdp_loss_errors_name_the_argument():
     split_table_lookup(jnp.zeros(4), jnp.zeros(3, jnp.int32), "data", 16)
   with pytest.raises(ValueError, match="ids must be integer token ids, got dtype float32"):
     split_table_lookup(jnp.zeros((4, 2)), jnp.zeros(3), "data", 16)
+  # More rows than the devices hold: an id past them would read zeros, not take's row or NaN.
+  lookup = jax.shard_map(lambda table, ids: split_table_lookup(table, ids, "data", 20),
+                         mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+  with pytest.raises(ValueError, match=r"num_embeddings \(20\) must be at most the rows of "
+                                       r"the table split over 'data': 4 a device, 16 in all"):
+    lookup(jnp.zeros((16, 2)), jnp.zeros((4, 3), jnp.int32))
 
 
 def test_auto_mesh_without_batch_axes_warns(caplog):
