@@ -178,6 +178,11 @@ def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
   elif batch_axes is None:
     return None
   else:
+    manual = set(batch_axes) & set(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual:
+      raise ValueError(f"batch_axes={tuple(batch_axes)} names {tuple(sorted(manual))}, which "
+                       "this code runs inside (a jax.shard_map, or fsdp_loss): each device "
+                       "holds its own rows already; leave batch_axes out there")
     mesh = _mesh_for(mesh, batch_axes)
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
     # An array not typed as split (a host mask) on Explicit axes: split it for shard_map.

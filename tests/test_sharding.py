@@ -875,6 +875,12 @@ def test_fsdp_loss_errors_name_the_argument():
   with pytest.raises(ValueError, match=r"num_embeddings \(20\) must be at most the rows of "
                                        r"the table split over 'data': 4 a device, 16 in all"):
     lookup(jnp.zeros((16, 2)), jnp.zeros((4, 3), jnp.int32))
+  # Inside a shard_map over the batch axis each device's rows are its own already.
+  inside = jax.shard_map(lambda x: sebp_linear(x, jnp.ones((2, 2)), top_n=1, batch_axes="data"),
+                         mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  with pytest.raises(ValueError, match=r"batch_axes=\('data',\) names \('data',\), which this "
+                                       r"code runs inside \(a jax.shard_map, or fsdp_loss\)"):
+    inside(jnp.ones((8, 2)))
 
 
 def test_auto_mesh_without_batch_axes_warns(caplog):
