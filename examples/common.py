@@ -34,7 +34,8 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
   """The command line the examples share (defaults per example, ``packed`` that of
   ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
   ``devices``: ``--devices``, training on several (:func:`fit`), and ``--compiler-option``,
-  XLA options for the training step, checked here. Every count must be positive."""
+  XLA options for the training step, checked here. Every count must be positive
+  (``--timing-repeats`` may be 0: no timing)."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -47,7 +48,7 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
   parser.add_argument("--weight-decay", type=float, default=weight_decay,
                       help="AdamW weight decay")
   parser.add_argument("--timing-repeats", type=int, default=timing_repeats,
-                      help="repeats of the side-by-side forward/backward timing")
+                      help="repeats of the side-by-side forward/backward timing (0: none)")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the data order and of any newly initialised weights")
   parser.add_argument("--data-dir", type=pathlib.Path, default=DATA_DIR,
@@ -76,9 +77,11 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
     extra(parser)
   args = parser.parse_args(argv)
   for name, value in vars(args).items():
-    if (isinstance(value, int) and not isinstance(value, bool) and name != "seed"
-        and value <= 0):
-      parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and name != "seed":
+      if name == "timing_repeats" and value < 0:
+        parser.error(f"--timing-repeats must be 0 (no timing) or more, got {value}")
+      elif name != "timing_repeats" and value <= 0:
+        parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
   if getattr(args, "devices", 1) > 1:
     if args.devices > jax.device_count():
       parser.error(f"--devices {args.devices}: this machine has {jax.device_count()} (on a "
@@ -281,12 +284,16 @@ def finish_run(args: argparse.Namespace, loss_fns: dict[str, LossFn], params, ba
                losses: dict[str, list[float]], row_log: RowLog | None, fields: dict,
                labels: dict[str, str], title: str) -> dict:
   """What every example does after its runs: times ``loss_fns`` (dense and SEBP, without the
-  row log: its callbacks are host round trips) side by side on ``batch``, prints the largest
-  loss difference and the row log, and writes ``summary.json`` (``fields``, then the figures
-  every example reports) and the plot, titled ``title`` formatted with ``gradient``, the
-  gradient speedup. Returns the summary."""
-  timings = time_forward_backward(loss_fns, params, batch, args.timing_repeats)
-  ratios = speedups(timings, args.timing_repeats, fields.get("kept_fraction"))
+  row log: its callbacks are host round trips) side by side on ``batch`` (unless
+  ``--timing-repeats 0``: the timing fields are then None), prints the largest loss
+  difference and the row log, and writes ``summary.json`` (``fields``, then the figures every
+  example reports) and the plot, titled ``title`` and the gradient speedup. Returns the
+  summary."""
+  timings, ratios = None, dict.fromkeys(
+      ("backward", "forward_backward", "backward_range", "forward_backward_range"))
+  if args.timing_repeats:
+    timings = time_forward_backward(loss_fns, params, batch, args.timing_repeats)
+    ratios = speedups(timings, args.timing_repeats, fields.get("kept_fraction"))
   summary = {
       **fields, "steps": len(losses["dense"]), "batch_size": args.batch_size,
       "max_length": args.max_length, "learning_rate": args.learning_rate, "seed": args.seed,
@@ -297,5 +304,7 @@ def finish_run(args: argparse.Namespace, loss_fns: dict[str, LossFn], params, ba
       "timings": timings, "max_loss_difference": max_loss_difference(losses),
       "row_log": print_row_log(row_log), "losses": losses,
   }
-  save_run(args.out, summary, labels, title.format(gradient=ratios["forward_backward"]))
+  speedup = ratios["forward_backward"]
+  save_run(args.out, summary, labels,
+           f"{title}: " + (f"gradient {speedup:.2f}x faster" if timings else "not timed"))
   return summary

@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
                     {mode: results[mode]["losses"] for mode in MODES}, row_log, fields,
                     {m: f"{m} (dev acc {results[m]['dev_accuracy']:.1%})" for m in MODES},
                     f"MiniLM-L6 on SST-2, {args.batch_size}x{args.max_length} padded; SEBP"
-                    f"{' packed' if args.packed else ''}: gradient {{gradient:.2f}}x faster")
+                    f"{' packed' if args.packed else ''}")
 
 
 if __name__ == "__main__":

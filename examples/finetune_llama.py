@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
   return finish_run(args, timed, initial_params, train_batches[0], losses, row_log,
                     fields, {m: m for m in MODES},
                     f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "
-                    f"SEBP{' packed' if args.packed else ''}: gradient {{gradient:.2f}}x faster")
+                    f"SEBP{' packed' if args.packed else ''}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ def test_counts_must_be_positive(capsys):
   with pytest.raises(SystemExit):
     finetune_llama.parse_args(["--steps", "0"])
   assert "--steps must be positive, got 0" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    finetune_llama.parse_args(["--timing-repeats", "-1"])
+  assert "--timing-repeats must be 0 (no timing) or more, got -1" in capsys.readouterr().err
+  assert finetune_llama.parse_args(["--timing-repeats", "0"]).timing_repeats == 0
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
@@ -131,6 +135,8 @@ def test_the_bert_example_shows_the_row_log(tmp_path, capsys, monkeypatch):
   # The option reaches both runs' training steps (XLA's CPU backend compiles as without it).
   combine = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20}
   assert fit_options == [combine, combine] and summary["compiler_options"] == combine
+  assert len(summary["timings"]["sebp"]["rounds"]["backward"]) == 1
+  assert summary["gradient_speedup"] > 0
   lines = summary["row_log"].splitlines()
   assert "SEBP row log" in capsys.readouterr().out
   layers = [line for line in lines[1:] if line.startswith("bert/encoder/layer/")]
@@ -151,8 +157,10 @@ def test_the_nnx_example_trains_dense_and_sebp_alike(tmp_path, monkeypatch):
   model = _tiny_llama(weight_tying=True, remat="NONE", vocab_size=len(tokenizer))
   monkeypatch.setattr(finetune_llama_nnx, "load_smollm2_nnx", lambda: (model, tokenizer))
   summary = finetune_llama_nnx.main([
-      "--steps", "2", "--batch-size", "2", "--max-length", "32", "--timing-repeats", "1",
+      "--steps", "2", "--batch-size", "2", "--max-length", "32", "--timing-repeats", "0",
       "--row-log", "--out", str(tmp_path)])
+  # --timing-repeats 0: no timing (the row-log BERT run above times its runs).
+  assert summary["timings"] is None and summary["gradient_speedup"] is None
   assert summary["max_loss_difference"] < 1e-4 and not summary["packed"]
   assert len(summary["losses"]["sebp"]) == 2
   assert summary["losses"]["dense"][0] == pytest.approx(summary["losses"]["sebp"][0], rel=1e-5)
@@ -201,7 +209,7 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
   monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
   summary = finetune_llama.main([
       "--steps", "3", "--batch-size", "4", "--max-length", "64", "--token-budget", "120",
-      "--timing-repeats", "1", "--out", str(tmp_path)])
+      "--timing-repeats", "0", "--out", str(tmp_path)])
   assert summary["capacities"] == [120] and summary["sebp_compiles"] == 1
   assert summary["max_loss_difference"] < 1e-5
   args = finetune_llama.parse_args(["--batch-size", "4", "--max-length", "64",
@@ -212,8 +220,7 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
     assert batch["input_ids"].shape == (4, 64) and 0 < batch["attention_mask"].sum() <= 120
 
 
-@pytest.mark.parametrize("packing", ["--packed", "--no-packed"])
-def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path, monkeypatch):
+def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeypatch):
   """--devices 4 (the test machine's host devices): FSDP, each device packing its own rows
   (or, --no-packed, selecting them for SEBP) at its own capacity; the losses are one
   device's, dense and SEBP alike. A tiny FlaxLlama of SmolLM2's vocabulary stands in for the
@@ -228,20 +235,24 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(packing, tmp_path
   monkeypatch.setattr(finetune_llama, "load_smollm2", lambda: (model, model.params, tokenizer))
   fit_options = _record_fit_options(finetune_llama, monkeypatch)
   run = lambda *flags: finetune_llama.main([
-      "--steps", "3", "--batch-size", "4", "--max-length", "64", packing, *flags,
-      "--timing-repeats", "1", "--out", str(tmp_path / flags[-1])])
+      "--steps", "3", "--batch-size", "4", "--max-length", "64", *flags,
+      "--timing-repeats", "0", "--out", str(tmp_path / "-".join(flags))])
   # The README's option for 2 GPUs: XLA's CPU backend compiles with it as without.
   combine = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 256 << 20}
-  one, four = run("--devices", "1"), run(
-      *[f"--compiler-option={name}={value}" for name, value in combine.items()], "--devices", "4")
-  assert (one["devices"], four["devices"]) == (1, 4)
-  assert (one["compiler_options"], four["compiler_options"]) == ({}, combine)
-  assert fit_options == [{}, {}, combine, combine]  # Each run's dense and SEBP steps.
-  for mode in ("dense", "sebp"):
-    np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
-  assert four["max_loss_difference"] < 1e-5
-  # A device's capacity holds its fullest shard of 1 row, not the batch's 4.
-  assert max(four["capacities"]) < max(one["capacities"])
+  options = [f"--compiler-option={name}={value}" for name, value in combine.items()]
+  # One device packed; both ways on four (one device's SEBP losses are the dense ones either
+  # way, so one run of one device serves both; the two runs on four compile one dense step).
+  one = run("--packed", "--devices", "1")
+  fours = [run(packing, *options, "--devices", "4") for packing in ("--packed", "--no-packed")]
+  assert [run["devices"] for run in (one, *fours)] == [1, 4, 4]
+  assert [run["compiler_options"] for run in (one, *fours)] == [{}, combine, combine]
+  assert fit_options == [{}, {}] + [combine] * 4  # Each run's dense and SEBP steps.
+  for four in fours:
+    for mode in ("dense", "sebp"):
+      np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
+    assert four["max_loss_difference"] < 1e-5
+    # A device's capacity holds its fullest shard of 1 row, not the batch's 4.
+    assert max(four["capacities"]) < max(one["capacities"])
 
 
 @pytest.mark.parametrize("argv,message", [

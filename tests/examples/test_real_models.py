@@ -49,24 +49,16 @@ def test_minilm_sst2_packed_gradients(bert):
 
 
 @pytest.mark.slow
-def test_smollm2_wikitext_gradients(smollm2):
-  """Every projection and the LM head with the mask's shared index, then the decoder and LM
-  head packed onto the real tokens (the loss on real rows): the dense gradients, computed once
-  for both."""
+def test_smollm2_wikitext_packed_gradients(smollm2):
+  """The decoder and LM head packed onto the real tokens (the loss on real rows): the dense
+  gradients. (The mask's shared index on this model runs in Tunix's NNX Llama below; in
+  Linen, on the real MiniLM above and on the tiny Llamas of tests/test_intercept.py.)"""
   model, params, tokenizer = smollm2
   paragraphs = [p for p in load_wikitext2()[:40] if 20 < len(p.split()) < 40][:2]
   batch = encode_fixed_length(tokenizer, paragraphs, 96)
   ids, mask = batch["input_ids"], batch["attention_mask"]
   assert 0 < mask.sum() < mask.size
   want = jax.jit(jax.grad(causal_lm_loss(model, ids, mask)))(params)
-  # The LM head too: under the masked loss its padding rows of dY are exactly zero as well.
-  kwargs = dict(top_n=int(mask.sum()), active_mask=mask, lm_head=True, backend="xla")
-  got = jax.jit(jax.grad(causal_lm_loss(model, ids, mask, kwargs)))(params)
-  assert_every_gradient_close(got, want)
-  with use_sebp(**kwargs) as report:
-    jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), params)
-  assert "lm_head" in report.shared_index and report.num_swapped == 30 * 7 + 1
-
   kwargs = dict(top_n=int(mask.sum()), active_mask=mask, packed=True)
   got = jax.jit(jax.grad(causal_lm_loss(model, ids, mask, kwargs, capacity=int(mask.sum()))))(
       params)
