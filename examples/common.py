@@ -30,12 +30,15 @@ CapacityLossFn = Callable[[dict, dict, "int | None"], jax.Array]
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
                         max_length: int, learning_rate: float, weight_decay: float,
                         timing_repeats: int, out: str, extra=None,
-                        packed: bool = True, devices: bool = False) -> argparse.Namespace:
+                        packed: bool = True, devices: bool = False,
+                        packed_row_log: bool = True) -> argparse.Namespace:
   """The command line the examples share (defaults per example, ``packed`` that of
   ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
   ``devices``: ``--devices``, training on several (:func:`fit`), and ``--compiler-option``,
   XLA options for the training step, checked here. Every count must be positive
-  (``--timing-repeats`` may be 0: no timing)."""
+  (``--timing-repeats`` may be 0: no timing), the learning rate too, the weight decay at
+  least 0. ``packed_row_log=False``: packed, no layer runs SEBP, so ``--row-log`` with
+  ``--packed`` is refused."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -82,6 +85,13 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
         parser.error(f"--timing-repeats must be 0 (no timing) or more, got {value}")
       elif name != "timing_repeats" and value <= 0:
         parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+  if not 0 < args.learning_rate < float("inf"):
+    parser.error(f"--learning-rate must be positive and finite, got {args.learning_rate}")
+  if not 0 <= args.weight_decay < float("inf"):
+    parser.error(f"--weight-decay must be 0 or more and finite, got {args.weight_decay}")
+  if args.row_log and args.packed and not packed_row_log:
+    parser.error("--row-log logs the layers that run SEBP, and packed none does here: leave "
+                 "out --packed or --row-log")
   if getattr(args, "devices", 1) > 1:
     if args.devices > jax.device_count():
       parser.error(f"--devices {args.devices}: this machine has {jax.device_count()} (on a "
@@ -135,6 +145,13 @@ def run_capacities(train_batches: list[dict], count: int = 4, num_shards: int = 
   buckets = capacity_buckets(max(int(shard_row_counts(m, num_shards).max()) for m in masks),
                              count)
   return [token_capacity(mask, buckets=buckets, num_shards=num_shards) for mask in masks]
+
+
+def timed_capacity(capacities: list[int], batch: dict) -> int:
+  """The capacity the side-by-side timing (:func:`finish_run`) runs SEBP at, on ``batch``
+  whole on one device: the run's first, unless that is a device's share of it (training on
+  several devices), then the whole batch's."""
+  return max(capacities[0], token_capacity(batch["attention_mask"]))
 
 
 def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
@@ -197,7 +214,10 @@ def time_forward_backward(loss_fns: dict[str, LossFn], params: dict, batch: dict
   for mode, stage, fn in progress:
     progress.set_postfix_str(f"{mode} {stage.replace('_', ' + ')}")
     for _ in range(2):
-      jax.block_until_ready(fn(params, batch))
+      value = jax.block_until_ready(fn(params, batch))
+    if stage == "forward" and not np.isfinite(value):
+      raise ValueError(f"the {mode} loss timed is {float(value)}, not finite: its timing "
+                       "would not be that of the run's work")
   for _ in tqdm(range(repeats), desc="timing", unit="round", file=sys.stdout):
     for mode, stage, fn in stages:
       rounds[mode][stage].append(median_ms(fn, params, batch, repeats=1, warmup=0))
@@ -268,7 +288,8 @@ def loss_trend(losses: list[float], last: int) -> str:
 
 def max_loss_difference(losses: dict[str, list[float]]) -> float:
   """Prints and returns the largest per-step difference between the dense and SEBP losses."""
-  difference = max(abs(a - b) for a, b in zip(losses["dense"], losses["sebp"]))
+  # np.max, not max: a NaN loss on either side makes the difference NaN, not skipped.
+  difference = float(np.max(np.abs(np.subtract(losses["dense"], losses["sebp"]))))
   print(f"largest per-step loss difference, dense vs SEBP: {difference:.2e}")
   return difference
 

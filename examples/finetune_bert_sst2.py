@@ -26,6 +26,7 @@ From the repository root:
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import data_parallel_mesh
 from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context)
+                             sebp_context, timed_capacity)
 from examples.datasets import batches, encode_fixed_length, load_sst2
 from examples.pretrained import load_bert_classifier
 from sebp_jax import RowLog
@@ -53,6 +54,14 @@ def parse_args(argv=None):
                              max_length=128, learning_rate=1e-4, weight_decay=0.01,
                              timing_repeats=5, out="runs/sst2", extra=dev_examples,
                              devices=True)
+
+
+def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
+  """A tenth of the steps' warm-up from 0 to ``--learning-rate``, then a cosine decay to 0 at
+  the last step (a run of one step: the warm-up alone)."""
+  warmup = max(1, args.steps // 10)
+  return optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, warmup,
+                                            max(args.steps, warmup + 1))
 
 
 def make_loss(model, packed: bool, row_log: RowLog | None = None):
@@ -118,9 +127,7 @@ def main(argv=None) -> dict:
         f"{np.mean(capacities) * args.devices / rows:.0%} "
         "of the rows on average)")
 
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, max(1, args.steps // 10),
-                                                args.steps)
-  optimizer = optax.adamw(schedule, weight_decay=args.weight_decay)
+  optimizer = optax.adamw(learning_rate_schedule(args), weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
   loss_fns = {"dense": make_loss(model, args.packed),
               "sebp": make_loss(model, args.packed, row_log)}
@@ -136,16 +143,17 @@ def main(argv=None) -> dict:
     print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "
           f"compiled {compiles} time{'s' * (compiles != 1)}")
 
+  sebp_capacity = timed_capacity(capacities, train_batches[0])
   fields = {
       "model": "all-MiniLM-L6-v2", "task": "SST-2", "capacities": sorted(set(capacities)),
-      "kept_fraction": capacities[0] * args.devices / rows, "packed": args.packed,
+      "kept_fraction": sebp_capacity / rows, "packed": args.packed,
       "devices": args.devices, "compiler_options": args.compiler_options,
       **{f"{mode}_compiles": results[mode]["compiles"] for mode in MODES},
       **{f"{mode}_dev_accuracy": results[mode]["dev_accuracy"] for mode in MODES},
       **{f"{mode}_final_loss": float(np.mean(results[mode]["losses"][-10:])) for mode in MODES},
   }
   timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
-           "sebp": functools.partial(make_loss(model, args.packed), capacity=capacities[0])}
+           "sebp": functools.partial(make_loss(model, args.packed), capacity=sebp_capacity)}
   return finish_run(args, timed, initial_params, train_batches[0],
                     {mode: results[mode]["losses"] for mode in MODES}, row_log, fields,
                     {m: f"{m} (dev acc {results[m]['dev_accuracy']:.1%})" for m in MODES},

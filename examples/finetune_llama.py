@@ -37,7 +37,7 @@ import optax
 
 from benchmarks.harness import data_parallel_mesh
 from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context)
+                             sebp_context, timed_capacity)
 from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
 from examples.pretrained import load_smollm2
 from sebp_jax import RowLog, token_budget_batches
@@ -132,15 +132,16 @@ def main(argv=None) -> dict:
     print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
           f"time{'s' * (compiles[mode] != 1)}")
 
+  sebp_capacity = timed_capacity(capacities, train_batches[0])
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
             "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
-            "kept_fraction": capacities[0] * args.devices / rows, "sebp_lm_head": args.lm_head,
+            "kept_fraction": sebp_capacity / rows, "sebp_lm_head": args.lm_head,
             "packed": args.packed, "devices": args.devices,
             "compiler_options": args.compiler_options,
             **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
   timed = {"dense": functools.partial(loss_fns["dense"], capacity=None),
            "sebp": functools.partial(make_loss(model, args.lm_head, args.packed),
-                                     capacity=capacities[0])}
+                                     capacity=sebp_capacity)}
   return finish_run(args, timed, initial_params, train_batches[0], losses, row_log,
                     fields, {m: m for m in MODES},
                     f"SmolLM2-135M on WikiText-2, {args.batch_size}x{args.max_length} padded; "

@@ -47,7 +47,8 @@ MODES = ("dense", "sebp")
 def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
                              max_length=256, learning_rate=3e-5, weight_decay=0.0,
-                             timing_repeats=3, out="runs/llama_nnx", packed=False)
+                             timing_repeats=3, out="runs/llama_nnx", packed=False,
+                             packed_row_log=False)
 
 
 def loss_of(model: nnx.Module, batch: dict, sebp_top_n: int | None, packed: bool = False,

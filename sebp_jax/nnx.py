@@ -121,6 +121,11 @@ def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, ro
                     active_rows: Array | None, row_log, batch_axes=None, mesh=None) -> Array:
   """The linear layer as :func:`sebp_linear` on rows: ``[*rows, *contracted] @ [*contracted,
   *features] -> [*rows, *features]``, reshaped in and out."""
+  contracted_shape = jnp.shape(kernel)[:row_map.contracted_dims]
+  if jnp.shape(inputs)[row_map.row_dims:] != contracted_shape:
+    # A reshape to rows would accept any dims of the same total size, read in another order.
+    raise ValueError(f"{type(module).__name__}: inputs of shape {jnp.shape(inputs)} do not "
+                     f"end in the kernel's contracted dims {contracted_shape}")
   (inputs, kernel, bias), dtype = _promotion(module, (inputs, kernel, bias))
   row_shape = jnp.shape(inputs)[:row_map.row_dims]
   feature_shape = jnp.shape(kernel)[row_map.contracted_dims:]
@@ -174,6 +179,9 @@ class SEBPLinear(nnx.Linear):
     if linear_kwargs.get("dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
       raise ValueError("SEBPLinear computes its own backward and cannot use a custom "
                        "dot_general (e.g. fp8 or quantized); use nnx.Linear for such layers")
+    if linear_kwargs.get("preferred_element_type") is not None:
+      raise ValueError("SEBPLinear computes in its inputs' promoted dtype and cannot take a "
+                       "preferred_element_type; use nnx.Linear for such layers")
     super().__init__(in_features, out_features, **linear_kwargs)
     self.top_n, self.threshold, self.overflow = top_n, threshold, overflow
     self.backend, self.row_log = backend, row_log

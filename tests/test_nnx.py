@@ -104,6 +104,26 @@ def test_layer_options_are_checked():
     sebp_nnx.SEBPEmbed(4, 4, top_n=2.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="row_log"):
     sebp_nnx.SEBPLinear(4, 4, row_log="log", rngs=nnx.Rngs(0))
+  # nnx.Linear would give float32 out of bfloat16 params; SEBPLinear would silently not.
+  with pytest.raises(ValueError, match="preferred_element_type"):
+    sebp_nnx.SEBPLinear(4, 4, preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def test_inputs_whose_contracted_dims_differ_from_the_kernels_raise():
+  """[H, N] where the kernel contracts [N, H], of the same size: the dense einsum refuses it,
+  and so does the swapped one, where a reshape to rows would read it in the wrong order."""
+  einsum = nnx.Einsum("BTNH,NHD->BTD", (2, 4, 8), rngs=nnx.Rngs(0))
+  transposed = jnp.ones((2, 3, 4, 2))
+  with pytest.raises(ValueError):
+    einsum(transposed)
+  with sebp_nnx.use_sebp(einsum, top_n=6, backend="xla"):
+    with pytest.raises(ValueError, match=r"inputs of shape \(2, 3, 4, 2\) do not end in the "
+                                         r"kernel's contracted dims \(2, 4\)"):
+      einsum(transposed)
+    assert einsum(jnp.ones((2, 3, 2, 4))).shape == (2, 3, 8)
+  linear = sebp_nnx.SEBPLinear(4, 3, top_n=2, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="contracted dims"):
+    linear(jnp.ones((2, 5)))
 
 
 @pytest.mark.parametrize("spec,expected", [

@@ -63,6 +63,57 @@ def test_data_dir_defaults_to_the_carried_data(example, tmp_path):
 def test_max_loss_difference(capsys):
   assert max_loss_difference({"dense": [1.0, 2.0, 3.0], "sebp": [1.0, 2.5, 2.75]}) == 0.5
   assert "largest per-step loss difference, dense vs SEBP: 5.00e-01" in capsys.readouterr().out
+  # A run gone NaN after its first step is not "no difference".
+  assert np.isnan(max_loss_difference({"dense": [2.0, 1.9, 1.8], "sebp": [2.0, np.nan, np.nan]}))
+
+
+def test_float_options_are_checked(capsys):
+  for argv, message in [(["--learning-rate=-3e-5"], "--learning-rate must be positive"),
+                        (["--learning-rate", "inf"], "--learning-rate must be positive"),
+                        (["--weight-decay", "nan"], "--weight-decay must be 0 or more"),
+                        (["--weight-decay=-0.1"], "--weight-decay must be 0 or more")]:
+    with pytest.raises(SystemExit):
+      finetune_llama.parse_args(argv)
+    assert message in capsys.readouterr().err
+  assert finetune_llama.parse_args(["--weight-decay", "0"]).weight_decay == 0
+
+
+def test_the_nnx_example_refuses_a_row_log_of_no_layer_when_packed(capsys):
+  """Packed, the NNX example runs no layer on SEBP: its row log would be empty."""
+  with pytest.raises(SystemExit):
+    finetune_llama_nnx.parse_args(["--row-log", "--packed"])
+  assert "leave out --packed or --row-log" in capsys.readouterr().err
+  assert finetune_llama_nnx.parse_args(["--row-log"]).row_log
+  assert finetune_llama.parse_args(["--row-log", "--packed"]).row_log  # Linen: the head logs.
+
+
+def test_a_one_step_bert_run_has_a_learning_rate_schedule():
+  """optax's cosine decay needs steps past the warm-up: a run of one step is the warm-up's."""
+  schedule = finetune_bert_sst2.learning_rate_schedule(finetune_bert_sst2.parse_args(
+      ["--steps", "1", "--learning-rate", "1e-4"]))
+  assert schedule(0) == 0 and schedule(1) == pytest.approx(1e-4)
+
+
+def test_the_timing_runs_the_whole_batch_at_a_capacity_that_holds_it():
+  """Trained on 4 devices, each at its share's capacity, the example times SEBP on the whole
+  first batch on one device: at a capacity that holds all its real tokens."""
+  from examples.common import run_capacities, timed_capacity
+  rng = np.random.default_rng(0)
+  masks = [(np.arange(64)[None] < rng.integers(20, 64, (8, 1))).astype(np.int32)
+           for _ in range(3)]
+  batches = [{"attention_mask": mask} for mask in masks]
+  per_device = run_capacities(batches, num_shards=4)
+  assert per_device[0] < masks[0].sum()
+  assert timed_capacity(per_device, batches[0]) >= masks[0].sum()
+  one_device = run_capacities(batches)
+  assert timed_capacity(one_device, batches[0]) == one_device[0]
+
+
+def test_a_loss_timed_as_nan_raises():
+  loss_fns = {"dense": lambda params, batch: jnp.sum(batch["x"] @ params),
+              "sebp": lambda params, batch: jnp.sum(batch["x"] @ params) * jnp.nan}
+  with pytest.raises(ValueError, match="the sebp loss timed is nan, not finite"):
+    time_forward_backward(loss_fns, jnp.ones((4, 2)), {"x": jnp.ones((3, 4))}, repeats=1)
 
 
 def test_time_forward_backward_reports_milliseconds_of_interleaved_rounds(capsys):
