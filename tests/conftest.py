@@ -19,12 +19,17 @@ OWN_COMPILATION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="sebp_jax_test_compiles_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_COMPILATION_CACHE
+# Every program into the cache, not only those compiling for over a second: the tests'
+# eager references compile one small program per op, alike in every worker and process.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 import pytest
 
 # jax reads its environment when first imported, which a plugin may have done before this file.
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 def pytest_unconfigure(config):
