@@ -27,7 +27,9 @@ evens them); ``--processes 4 --devices 4`` runs one process per GPU (``jax.distr
 place of one process driving all four, measured against the one-device records already in
 ``--out`` (a ``--devices 1`` run before). Each call is synced before the next (the host's
 dispatch timed too) unless ``--calls-per-repeat`` dispatches several back to back, as a
-training loop does; ``--stages step`` times the step alone; ``--compiler-option`` passes XLA
+training loop does, and ``--donate`` feeds the step its own results, its params and
+optimizer state donated (each record has the host's time a step call takes to return,
+``step_dispatch_ms``); ``--stages step`` times the step alone; ``--compiler-option`` passes XLA
 options to the runs on several devices, and ``--pgle-runs`` compiles their steps again for
 XLA's profile-guided latency estimator.
 
@@ -541,6 +543,24 @@ def gathering_params(loss_fn, mesh, specs, dtype=jnp.bfloat16):
   return loss
 
 
+@dataclasses.dataclass
+class DonatedStep:
+  """A compiled step that donates its params and optimizer state and is fed its own results,
+  as a training loop runs it: each call writes them where the last call's were. Called with
+  the batch alone; it keeps a copy of the state it starts from, since a call deletes what it
+  is given."""
+  compiled: jax.stages.Compiled
+  state: tuple
+
+  @classmethod
+  def start(cls, compiled, params, opt_state) -> "DonatedStep":
+    return cls(compiled, jax.tree.map(jnp.copy, (params, opt_state)))
+
+  def __call__(self, batch):
+    self.state = self.compiled(*self.state, batch)
+    return self.state
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Where a benchmark's step runs: one device, or data parallel over a mesh (params
@@ -572,11 +592,15 @@ class Placement:
     return dict(batch_axes="data", mesh=self.mesh)
 
   def calls(self, loss_fn, host_batch, stages=STAGES, compiler_options=None,
-            weight_fn=None, pgle_runs: int = 0) -> dict:
+            weight_fn=None, pgle_runs: int = 0, donate: bool = False) -> dict:
     """{stage: (jitted function, its arguments)} for ``stages`` of ``loss_fn`` on
     ``host_batch``, the batch split over the mesh; the step's function compiled (with
-    ``pgle_runs``, for XLA's profile-guided latency estimator: :func:`profile_guided`).
-    ``weight_fn``: what the loss averages over on a batch (``fsdp_loss``'s)."""
+    ``pgle_runs``, for XLA's profile-guided latency estimator: :func:`profile_guided`), a
+    :class:`DonatedStep` with ``donate``. ``weight_fn``: what the loss averages over on a
+    batch (``fsdp_loss``'s)."""
+    if donate and pgle_runs:
+      raise ValueError("donate runs the step on its own results; pgle_runs would delete the "
+                       "shared params: pass one of them")
     batch = host_batch
     if self.mesh is not None:
       batch = jax.device_put(host_batch, NamedSharding(self.mesh, P("data")))
@@ -604,10 +628,12 @@ class Placement:
       out_shardings = None if self.mesh is None else jax.tree.map(
           lambda a: a.sharding, (self.params, self.opt_state))
       arguments = (self.params, self.opt_state, batch)
-      lowered = jit(step, out_shardings=out_shardings).lower(*arguments)
+      lowered = jit(step, out_shardings=out_shardings,
+                    donate_argnums=(0, 1) if donate else ()).lower(*arguments)
       compiled_step = (profile_guided(lowered, arguments, pgle_runs) if pgle_runs
                        else lowered.compile())
-      calls["step"] = (compiled_step, arguments)
+      calls["step"] = ((DonatedStep.start(compiled_step, self.params, self.opt_state), (batch,))
+                       if donate else (compiled_step, arguments))
     return calls
 
 
@@ -616,7 +642,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         rounds: int = 1,
         batch_size: int | None = None, balance: bool = False, shard_lengths: str = "same",
         stages=STAGES, compiler_options=None, calls_per_repeat: int = 1,
-        packed_capacity: int | None = None, pgle_runs: int = 0):
+        packed_capacity: int | None = None, pgle_runs: int = 0, donate: bool = False):
   """Compiles every mode, then times them in ``rounds`` interleaved rounds (each round times
   every mode's forward, gradient and step once, ``repeats`` calls each, so that a change in
   the machine's load falls on all modes alike), and appends one record per mode to ``out``:
@@ -643,7 +669,10 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
   device's work on the one before, as in a training loop (1: the host's dispatch is timed
   too). ``packed_capacity``: the packed modes' capacity, in place of the batch's own.
   ``pgle_runs``: on several devices, each step compiled again for XLA's profile-guided
-  latency estimator, from a device trace of that many calls (:func:`profile_guided`)."""
+  latency estimator, from a device trace of that many calls (:func:`profile_guided`).
+  ``donate``: the step donates its params and optimizer state and is fed its results
+  (:class:`DonatedStep`). Each record has the step's host time a call (``step_dispatch_ms``,
+  until the calls of a repeat returned, before the sync)."""
   if balance and shard_lengths != "drawn":
     raise ValueError("balance reorders drawn lengths: pass shard_lengths='drawn'")
   unknown = set(stages) - set(STAGES)
@@ -675,7 +704,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 backend=backend, devices=devices, balanced=balance,
                 shard_lengths=shard_lengths if devices > 1 else None, compiler_options=options,
                 processes=jax.process_count(), packed_capacity=packed_capacity,
-                pgle_runs=pgle_runs)
+                pgle_runs=pgle_runs, donated=donate)
 
   def fields_of(fsdp_kind: str | None, mode: str) -> dict:
     return {**fields, "fsdp": fsdp_kind if devices > 1 else None,
@@ -692,8 +721,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                                     num_shards=devices)
     try:
       calls = placement.calls(loss_fn, host_batch, stages, options, weight_fn=loss_weight(kind),
-                              pgle_runs=pgle_runs)
-      compiled_step = calls["step"][0]
+                              pgle_runs=pgle_runs, donate=donate)
+      step_call = calls["step"][0]
+      compiled_step = step_call.compiled if donate else step_call
       for fn, args in calls.values():
         for _ in range(2):  # compile and warm up
           jax.block_until_ready(fn(*args))
@@ -708,12 +738,15 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     prepared.append((fsdp_kind, mode, host_batch, compiled_step, calls))
   samples = {(fsdp_kind, mode): {stage: [] for stage in calls}
              for fsdp_kind, mode, _, _, calls in prepared}
+  step_dispatch = {(fsdp_kind, mode): [] for fsdp_kind, mode, _, _, _ in prepared}
   for _ in tqdm(range(rounds), desc=f"{kind} on {devices} device(s), timing", unit="round",
                 file=sys.stdout, disable=quiet):
     for fsdp_kind, mode, _, _, calls in prepared:
       for stage, (fn, args) in calls.items():
+        dispatch = step_dispatch[fsdp_kind, mode] if stage == "step" else None
         samples[fsdp_kind, mode][stage].append(median_ms(fn, *args, repeats=repeats, warmup=0,
-                                                         calls_per_repeat=calls_per_repeat))
+                                                         calls_per_repeat=calls_per_repeat,
+                                                         dispatch_ms=dispatch))
   dense_peaks = {fsdp_kind: peak_bytes(step)
                  for fsdp_kind, mode, _, step, _ in prepared if mode == "dense"}
   for fsdp_kind, mode, host_batch, compiled_step, _ in prepared:
@@ -727,6 +760,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         rows=int(host_batch["input_ids"].size),
         **{name: float(np.median(ms)) for name, ms in timed.items()},
         rounds_ms={name: ms.tolist() for name, ms in timed.items()},
+        step_dispatch_ms=float(np.median(step_dispatch[fsdp_kind, mode])),
         peak_bytes=peak_bytes(compiled_step), collectives=collective_counts(compiled_step),
         collective_bytes=collective_bytes(compiled_step))
     row.update(real_token_throughput(row, num_params))
@@ -918,6 +952,9 @@ def main(argv=None) -> list[dict]:
                            "cluster's launcher), with --coordinator")
   parser.add_argument("--coordinator", default=None,
                       help="HOST:PORT of the first process's coordinator, with --process-id")
+  parser.add_argument("--donate", action="store_true",
+                      help="the step donates its params and optimizer state and is fed its "
+                           "own results, as a training loop runs it (jax.jit donate_argnums)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
@@ -931,6 +968,8 @@ def main(argv=None) -> list[dict]:
     parser.error("--processes must be positive")
   if args.pgle_runs < 0:
     parser.error("--pgle-runs must be 0 or more")
+  if args.donate and args.pgle_runs:
+    parser.error("--donate and --pgle-runs go apart: the profiled runs share the params")
   if (args.compiler_option or args.pgle_runs) and max(args.devices) == 1:
     # One device's runs are the baseline that the options are measured against.
     parser.error("--compiler-option and --pgle-runs apply to the runs on several devices, and "
@@ -962,7 +1001,8 @@ def main(argv=None) -> list[dict]:
                    shard_lengths=args.shard_lengths, stages=args.stages,
                    compiler_options=dict(args.compiler_option),
                    calls_per_repeat=args.calls_per_repeat,
-                   packed_capacity=args.packed_capacity, pgle_runs=args.pgle_runs)
+                   packed_capacity=args.packed_capacity, pgle_runs=args.pgle_runs,
+                   donate=args.donate)
         one_device = runs if devices == 1 else one_device
         rows += runs
   if not quiet:

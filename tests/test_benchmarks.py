@@ -204,13 +204,18 @@ def test_a_mode_out_of_memory_is_recorded_and_the_others_run(tmp_path, monkeypat
 
 def test_batch_sizes_give_each_modes_best_batch(capsys):
   """--batch-sizes runs each batch size; each mode's best batch is the one of the most real
-  tokens a second, its throughput against the fast-attention baseline's own best."""
+  tokens a second, its throughput against the fast-attention baseline's own best. With
+  --donate the steps run on their own results; every record has the step's host time."""
   rows = model.main(["--tiny", "--model", "bert", "--modes",
                      "longest_dense_fast_attention,sebp_packed", "--batch-sizes", "2,4",
-                     "--stages", "step", "--repeats", "1", "--rounds", "1"])
+                     "--stages", "step", "--repeats", "1", "--rounds", "2", "--donate"])
   assert sorted((r["batch_size"], r["mode"]) for r in rows) == [
       (2, "longest_dense_fast_attention"), (2, "sebp_packed"),
       (4, "longest_dense_fast_attention"), (4, "sebp_packed")]
+  for row in rows:
+    assert row["donated"] is True
+    # Each repeat's host time is a part of its whole time, so their medians keep the order.
+    assert 0 < row["step_dispatch_ms"] <= row["step_ms"]
   best = {b["mode"]: b for b in model.best_batches(rows)}
   for mode, b in best.items():
     mine = [r for r in rows if r["mode"] == mode]
@@ -539,6 +544,26 @@ def test_options_for_several_devices_refuse_a_one_device_run(capsys):
     with pytest.raises(SystemExit):
       model.main(["--tiny", "--model", "bert", "--devices", "1", *extra])
     assert "apply to the runs on several devices" in capsys.readouterr().err
+
+
+def test_a_donated_step_runs_on_its_own_results_and_keeps_the_params_it_started_from():
+  compiled = jax.jit(lambda params, state, batch: (params + batch, state + 1),
+                     donate_argnums=(0, 1)).lower(
+                         jnp.zeros(3), jnp.zeros((), jnp.int32), jnp.zeros(3)).compile()
+  params = jnp.asarray(np.random.default_rng(0).normal(size=3), jnp.float32)
+  batch = jnp.asarray(np.random.default_rng(1).normal(size=3), jnp.float32)
+  step = model.DonatedStep.start(compiled, params, jnp.int32(5))
+  step(batch)
+  new_params, state = step(batch)
+  np.testing.assert_allclose(new_params, params + 2 * batch, rtol=1e-6)
+  assert int(state) == 7
+  assert not params.is_deleted()
+
+
+def test_donating_refuses_profile_guided_compiles(capsys):
+  with pytest.raises(SystemExit):
+    model.main(["--tiny", "--model", "bert", "--devices", "2", "--donate", "--pgle-runs", "2"])
+  assert "--donate and --pgle-runs" in capsys.readouterr().err
 
 
 def test_modes_take_a_backend_of_their_own():
