@@ -39,6 +39,8 @@ import os
 
 import numpy as np
 
+from sebp_jax.selection import validate_threshold
+
 _MIN_CLASS_SHARE = 0.01
 _MIN_CLASS_COUNT = 10
 _MIN_SEPARABILITY = 0.3
@@ -194,10 +196,12 @@ def dropped_share(row_max_abs, row_squared_norm, *, top_n: int | None = None,
   """The share of dY's squared L2 norm that SEBP drops when it keeps only the rows whose max
   ``|value|`` exceeds ``threshold`` and, of those, at most ``top_n`` (the largest by norm; None:
   no cap), from each row's max ``|value|`` and squared norm (``[T]`` each). 0.0 when dY is all
-  zeros: there is nothing to drop; NaN when it is not finite, as in the :class:`RowLog`."""
+  zeros: there is nothing to drop; NaN when it is not finite, as in the :class:`RowLog`, or
+  when a row's squares overflowed the float32 they were summed in (``|dY|`` above about 1e19)."""
   top_n = _validate_top_n(top_n)
+  threshold = validate_threshold(threshold)
   squared = np.asarray(row_squared_norm, dtype=np.float64).ravel()
-  above = np.asarray(row_max_abs, dtype=np.float64).ravel() > threshold
+  above = _active_at(row_max_abs, threshold)
   candidates = np.sort(squared[above])
   beyond_cap = 0 if top_n is None else max(candidates.size - top_n, 0)
   # Summing the dropped rows themselves: nothing dropped is exactly 0.0.
@@ -208,6 +212,11 @@ def dropped_share(row_max_abs, row_squared_norm, *, top_n: int | None = None,
   return float(dropped / total) if total > 0 else 0.0
 
 
+def _active_at(row_max_abs, threshold: float) -> np.ndarray:
+  """The rows SEBP counts active at ``threshold``: a max ``|value|`` above it, or NaN."""
+  return ~(np.asarray(row_max_abs, dtype=np.float64).ravel() <= threshold)
+
+
 def layer_table(records, *, top_n: int | None = None,
                 threshold: float | None = None) -> list[dict]:
   """One row per layer of a :class:`sebp_jax.RowLog`'s ``records``, aggregated over its steps,
@@ -215,29 +224,29 @@ def layer_table(records, *, top_n: int | None = None,
 
   Each row holds ``layer``, ``steps`` (records of the layer), ``rows`` (T, the largest seen),
   ``active_mean`` and ``active_max`` (rows of dY the backward found active), ``row_sparsity``
-  (``1 - active_mean / rows``) and ``capacity_max``. Where every record of the layer carries
+  (the share of the layer's rows over all its steps that were not active) and
+  ``capacity_max``. Where every record of the layer carries
   row values (``RowLog(row_values=True)``), also what a given ``top_n``/``threshold`` would
   do: ``active_at_threshold_mean`` (rows whose max ``|dY|`` exceeds ``threshold``, 0 when
-  None) and ``dropped_share_mean``/``dropped_share_max`` (:func:`dropped_share` of each step).
+  None, or that hold NaN) and ``dropped_share_mean``/``dropped_share_max`` (:func:`dropped_share` of each step).
   """
   top_n = _validate_top_n(top_n)
-  threshold = 0.0 if threshold is None else float(threshold)
-  if not threshold >= 0:
-    raise ValueError(f"threshold must be >= 0, got {threshold!r}")
+  threshold = 0.0 if threshold is None else validate_threshold(threshold)
   by_layer: dict[str, list[dict]] = {}
   for record in records:
     by_layer.setdefault(record["layer"], []).append(record)
   table = []
   for layer, layer_records in by_layer.items():
     active = np.array([r["active"] for r in layer_records], dtype=np.float64)
-    rows = max(r["rows"] for r in layer_records)
-    row = {"layer": layer, "steps": len(layer_records), "rows": rows,
+    all_rows = sum(r["rows"] for r in layer_records)
+    row = {"layer": layer, "steps": len(layer_records),
+           "rows": max(r["rows"] for r in layer_records),
            "active_mean": float(active.mean()), "active_max": int(active.max()),
-           "row_sparsity": float(1 - active.mean() / rows) if rows else 0.0,
+           "row_sparsity": float(1 - active.sum() / all_rows) if all_rows else 0.0,
            "capacity_max": max(r["capacity"] for r in layer_records)}
     if all(r.get("row_max_abs") is not None and r.get("row_squared_norm") is not None
            for r in layer_records):
-      above = [np.count_nonzero(np.asarray(r["row_max_abs"], dtype=np.float64) > threshold)
+      above = [np.count_nonzero(_active_at(r["row_max_abs"], threshold))
                for r in layer_records]
       shares = [dropped_share(r["row_max_abs"], r["row_squared_norm"], top_n=top_n,
                               threshold=threshold) for r in layer_records]
@@ -302,6 +311,19 @@ def _layer_ticks(layers: list[str], max_labels: int = 40) -> tuple[list[int], li
   return starts, [blocks[i] for i in starts]
 
 
+def _heatmap_values(maxima: np.ndarray) -> tuple[np.ndarray, float, float]:
+  """``(drawn, vmin, vmax)``: log10 of each row's max ``|dY|`` between ``vmin`` and ``vmax``,
+  exact zeros below ``vmin`` and rows holding NaN or Inf above ``vmax``, where the colour map's
+  "under" and "over" colours draw them (imshow would draw NaN and -inf in one "bad" colour)."""
+  finite = np.isfinite(maxima)
+  shown = finite & (maxima > 0)
+  logs = np.zeros(maxima.shape)
+  np.log10(maxima, out=logs, where=shown)
+  low, high = (logs[shown].min(), logs[shown].max()) if shown.any() else (-1.0, 0.0)
+  high = max(high, low + 1e-3)
+  return np.where(shown, logs, np.where(finite, low - 1, high + 1)), float(low), float(high)
+
+
 def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int = 0,
                      layers=None) -> None:
   """Draws the SEBP paper's Fig. 2: log10 of each row's max ``|dY|`` at one step, for every
@@ -309,8 +331,8 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
 
   The top panel is [layers x T] (a row per layer, a column per token of the flattened batch,
   minor ticks where sequences start); the bottom one is the first layer's rows as the [B, L]
-  batch. Rows that are exactly zero (padding, under a masked loss), or not finite, are white:
-  below the colour scale, which starts at the smallest non-zero row.
+  batch. Rows that are exactly zero (padding, under a masked loss) are white, below the colour
+  scale, which starts at the smallest non-zero row; rows holding NaN or Inf are red, above it.
 
   Args:
     records: a :class:`sebp_jax.RowLog`'s records, with ``row_values=True``.
@@ -338,21 +360,16 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
   if maxima.shape[1] != batch * length:
     raise ValueError(f"batch_shape {batch_shape} has {batch * length} rows, the layers "
                      f"{maxima.shape[1]}")
-  shown = np.isfinite(maxima) & (maxima > 0)
-  logs = np.full(maxima.shape, -np.inf)
-  np.log10(maxima, out=logs, where=shown)
-  low, high = (logs[shown].min(), logs[shown].max()) if shown.any() else (-1.0, 0.0)
+  drawn, low, high = _heatmap_values(maxima)
 
   layers_height = float(np.clip(0.14 * len(layers), 2.5, 8.0))
   batch_height = float(np.clip(0.2 * batch, 1.2, 4.0))
   fig = Figure(figsize=(11, layers_height + batch_height + 1.8))
   grid = fig.add_gridspec(2, 2, width_ratios=[40, 1], height_ratios=[layers_height, batch_height])
-  image_options = dict(aspect="auto", interpolation="nearest", vmin=low,
-                       vmax=max(high, low + 1e-3),
-                       cmap=colormaps["viridis"].with_extremes(under="white"))
+  image_options = dict(aspect="auto", interpolation="nearest", vmin=low, vmax=high,
+                       cmap=colormaps["viridis"].with_extremes(under="white", over="red"))
   layers_ax = fig.add_subplot(grid[0, 0])
-  # Zeros at low - 1, below vmin: the "under" colour (imshow would mask -inf as "bad").
-  image = layers_ax.imshow(np.maximum(logs, low - 1), **image_options)
+  image = layers_ax.imshow(drawn, **image_options)
   # Sequence starts as minor ticks: a line over the image would hide the token beside it.
   layers_ax.set_xticks(np.arange(batch) * length - 0.5, minor=True)
   layers_ax.tick_params(axis="x", which="minor", length=4, color="0.4")
@@ -363,13 +380,13 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
   layers_ax.set(xlabel=f"token of the flattened batch (B x L = {batch} x {length})",
                 title=f"max |dY| of each row, step {step}")
   batch_ax = fig.add_subplot(grid[1, 0])
-  batch_ax.imshow(np.maximum(logs[0], low - 1).reshape(batch, length), **image_options)
+  batch_ax.imshow(drawn[0].reshape(batch, length), **image_options)
   batch_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
   batch_ax.set(xlabel="position in the sequence", ylabel="sequence",
                title=f"{layers[0]}, as the [B, L] batch")
-  colorbar = fig.colorbar(image, cax=fig.add_subplot(grid[:, 1]), extend="min",
+  colorbar = fig.colorbar(image, cax=fig.add_subplot(grid[:, 1]), extend="both",
                           extendfrac=0.03)
-  colorbar.set_label("log10 max |dY| of the row (white: exactly zero)")
+  colorbar.set_label("log10 max |dY| of the row (white: exactly zero; red: NaN or Inf)")
   fig.tight_layout()
   # A pixel per token at least (up to 300 dpi): downsampled, a lone active row ([CLS]) vanishes.
   fig.savefig(path, format="png", dpi=float(np.clip(batch * length / (0.8 * 11), 120, 300)))

@@ -39,7 +39,7 @@ from sebp_jax.cost_model import choose_counted, choose_implementation
 from sebp_jax.implementations import (accumulation_dtype, gather_rows, get_implementation,
                                       with_poison)
 from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
-                                select_from_scores)
+                                select_from_scores, threshold_below)
 
 Array = jax.Array
 
@@ -75,7 +75,7 @@ def stray_rows(row_max: Array, listed: Array, threshold: float) -> Array:
   out and that are active (max ``|value|`` above ``threshold``, or not finite). The index
   promises there are none (padding under a masked loss); a model that breaks the promise (a
   pooling over every position, padding included) must get NaN, not a partial gradient."""
-  return ~listed & ~(row_max <= threshold)
+  return ~listed & ~(row_max <= threshold_below(threshold, row_max.dtype))
 
 
 def index_poison(row_max: Array, stray: Array) -> Array:

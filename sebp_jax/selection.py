@@ -71,6 +71,16 @@ def validate_threshold(threshold: Any) -> float:
   return float(threshold)
 
 
+def threshold_below(threshold: float, dtype) -> np.ndarray:
+  """The largest ``dtype`` value at most ``threshold``: a ``dtype`` value exceeds it exactly
+  when it exceeds ``threshold`` (rounded to the nearest, the threshold can round up past a
+  value above it, which would then count as below)."""
+  rounded = np.asarray(threshold, dtype)
+  if float(rounded) > threshold:
+    rounded = np.nextafter(rounded, np.asarray(-np.inf, dtype))
+  return rounded
+
+
 class RowStatistics(NamedTuple):
   """What one pass over the rows of ``dy: [T, N]`` tells, each ``[T]``: the selection's
   ``scores`` and ``active`` (:func:`row_scores`), and each row's ``max_abs`` and
@@ -89,7 +99,7 @@ def row_statistics(dy: Array, threshold: float) -> RowStatistics:
   # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
   # squares overflow the score dtype: it is huge, so ranking it first is right as well).
   finite = jnp.isfinite(squared_norm)
-  active = (max_abs > threshold) | ~finite
+  active = (max_abs > threshold_below(threshold, max_abs.dtype)) | ~finite
   scores = jnp.where(finite, squared_norm, jnp.inf)
   scores = jnp.where(active, scores, -1.0)
   return RowStatistics(scores, active, max_abs, squared_norm)

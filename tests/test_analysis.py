@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sebp_jax.analysis import (dropped_share, estimate_threshold, format_table, layer_table,
-                               plot_row_heatmap)
+from sebp_jax import row_scores
+from sebp_jax.analysis import (_heatmap_values, dropped_share, estimate_threshold,
+                               format_table, layer_table, plot_row_heatmap)
 
 
 def _mixture(rng, noise_share, size=4000, noise_centre=-8.0, signal_centre=-3.0, spread=0.5):
@@ -241,10 +242,52 @@ def test_layer_table_without_row_values_has_counts_only():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"top_n": 0}, "top_n"), ({"top_n": 2.5}, "top_n"),
-                                          ({"threshold": -1.0}, "threshold")])
+                                          ({"threshold": -1.0}, "threshold"),
+                                          ({"threshold": np.inf}, "threshold"),
+                                          ({"threshold": np.nan}, "threshold"),
+                                          ({"threshold": "0.5"}, "threshold")])
 def test_layer_table_rejects_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     layer_table(_random_records(np.random.default_rng(0)), **kwargs)
+
+
+@pytest.mark.parametrize("threshold", [np.nan, np.inf, -1.0, None, "0.5"])
+def test_dropped_share_rejects_a_bad_threshold(threshold):
+  with pytest.raises(ValueError, match="threshold"):
+    dropped_share([1.0, 2.0], [1.0, 4.0], threshold=threshold)
+
+
+def test_layer_table_counts_active_rows_as_the_selection_does():
+  """NaN rows and rows at the float32 value next above the threshold are active in SEBP's
+  selection; the table's count and dropped share follow the same rule."""
+  rng = np.random.default_rng(5)
+  threshold = 0.1
+  dy = (rng.standard_normal((12, 6)) * rng.choice([0.0, 1e-3, 1.0], (12, 1))).astype(np.float32)
+  dy[3] = 0.0
+  dy[3, 2] = np.float32(threshold)  # 0.10000000149: above the threshold
+  dy[5, 0] = np.nan
+  _, active = row_scores(jnp.asarray(dy), threshold)
+  row_max_abs = np.max(np.abs(dy), axis=1)
+  squared = np.sum(np.square(dy.astype(np.float64)), axis=1)
+  record = {"layer": "dense", "step": 0, "rows": 12, "active": int(np.sum(active)),
+            "kept": int(np.sum(active)), "capacity": 12, "dropped_share": 0.0,
+            "row_max_abs": row_max_abs, "row_squared_norm": squared}
+  (row,) = layer_table([record], threshold=threshold)
+  assert active[3] and active[5]
+  assert row["active_at_threshold_mean"] == np.sum(active)
+  finite = np.where(np.isnan(squared), 0.0, squared)
+  expected = finite[~np.asarray(active)].sum() / finite.sum()
+  assert dropped_share(row_max_abs, finite, threshold=threshold) == pytest.approx(expected)
+
+
+def test_row_sparsity_is_the_share_of_all_rows_left_inactive():
+  records = [{"layer": "dense", "step": step, "rows": rows, "active": active, "kept": active,
+              "capacity": rows, "dropped_share": 0.0, "row_max_abs": None,
+              "row_squared_norm": None} for step, (rows, active) in enumerate([(100, 50),
+                                                                              (10, 10)])]
+  (row,) = layer_table(records)
+  assert row["row_sparsity"] == pytest.approx(1 - 60 / 110)
+  assert row["rows"] == 100 and row["active_mean"] == 30
 
 
 def test_format_table_aligns_columns():
@@ -280,6 +323,17 @@ def test_plot_row_heatmap_rejects_what_it_cannot_draw(tmp_path, kwargs, match):
   records = _random_records(np.random.default_rng(4), rows=4 * 12)
   with pytest.raises(ValueError, match=match):
     plot_row_heatmap(records, tmp_path / "heatmap.png", **kwargs)
+
+
+def test_heatmap_draws_zeros_below_and_non_finite_rows_above_the_colour_scale():
+  maxima = np.array([[1e-3, np.nan, 0.0, np.inf], [1e-1, 1e-2, -np.inf, 0.0]])
+  drawn, low, high = _heatmap_values(maxima)
+  assert (low, high) == pytest.approx((-3.0, -1.0))
+  np.testing.assert_allclose(drawn[[0, 1, 1], [0, 0, 1]], [-3.0, -1.0, -2.0])
+  assert np.all(drawn[[0, 1], [2, 3]] < low)
+  assert np.all(drawn[[0, 0, 1], [1, 3, 2]] > high)
+  drawn, low, high = _heatmap_values(np.array([[0.0, np.nan]]))
+  assert drawn[0, 0] < low < high < drawn[0, 1]
 
 
 def test_dropped_share_is_nan_where_dy_is_not_finite_as_in_the_row_log():

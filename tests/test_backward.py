@@ -64,7 +64,10 @@ def test_index_poison_and_stray_rows():
   assert np.isnan(check(dy.at[0, 3].set(-jnp.nan), False))
   assert np.isnan(check(dy.at[1, 3].set(-jnp.nan), True))
   assert np.isnan(check(dy.at[1, 2].set(-1e-3), True))
-  assert check(dy.at[1, 2].set(-1e-3), False, threshold=1e-3) == 0
+  # At the threshold, not above it: 1e-3 in float32 is above 1e-3 itself.
+  at = float(np.float32(1e-3))
+  assert check(dy.at[1, 2].set(-at), False, threshold=at) == 0
+  assert np.isnan(check(dy.at[1, 2].set(-1e-3), True, threshold=1e-3))
   assert index_poison(jnp.zeros((0,)), jnp.zeros((0,), bool)) == 0
   if jax.config.jax_enable_x64:
     assert check(jnp.full((3, 2), 1e300, jnp.float64).at[1].set(0), False) == 0

@@ -38,6 +38,28 @@ def test_threshold_counts_small_rows_as_zero():
                                 reference_active_rows(dy, 16, threshold=1e-3))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_a_row_just_above_the_threshold_is_active_in_every_dtype(dtype):
+  """The threshold is a Python float; rounded to the nearest float32 it can land on a row's
+  value above it (0.1 rounds up to 0.10000000149), which a plain comparison calls inactive."""
+  rng = np.random.default_rng(3)
+  threshold = float(rng.uniform(0.05, 0.5))
+  # The dtype's smallest value above the threshold, and the one before it.
+  at = jnp.asarray(threshold, dtype)
+  above = at if float(at) > threshold else jnp.nextafter(at, jnp.asarray(1, dtype))
+  below = jnp.nextafter(above, jnp.asarray(0, dtype))
+  dy = jnp.zeros((4, 3), dtype).at[0, 1].set(above).at[2, 0].set(below).at[3, 2].set(-above)
+  expected = [i for i in range(4) if float(jnp.max(jnp.abs(dy[i].astype(jnp.float32))))
+              > threshold]
+  active_rows = select_active_rows(dy, 4, threshold=threshold)
+  np.testing.assert_array_equal(_kept(active_rows, 4), expected)
+  assert expected[0] == 0 and expected[-1] == 3
+  for value in (0.1, 0.3, 1 / 3):
+    rows = jnp.asarray([[np.float32(value)], [np.float32(0)]])
+    assert list(_kept(select_active_rows(rows, 2, threshold=value), 2)) == (
+        [0] if float(np.float32(value)) > value else [])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_rows_are_active_and_rank_first(bad):
   rng = np.random.default_rng(2)
