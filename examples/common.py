@@ -294,9 +294,23 @@ def max_loss_difference(losses: dict[str, list[float]]) -> float:
   return difference
 
 
+def strict_json(value):
+  """``value`` with every non-finite float (a NaN loss, say) as None: JSON has no NaN, and
+  ``json.dumps`` would write a bare ``NaN`` that strict readers refuse."""
+  if isinstance(value, dict):
+    return {key: strict_json(item) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [strict_json(item) for item in value]
+  if isinstance(value, (float, np.floating)) and not np.isfinite(value):
+    return None
+  return value
+
+
 def save_run(out: pathlib.Path, summary: dict, labels: dict[str, str], title: str) -> None:
-  """Writes ``summary.json`` and ``loss_curves.png`` (from ``summary["losses"]``) under out."""
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  """Writes ``summary.json`` (non-finite numbers as null) and ``loss_curves.png`` (from
+  ``summary["losses"]``) under out."""
+  (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=2,
+                                               allow_nan=False))
   plot_loss_curves(summary["losses"], labels, title, out / "loss_curves.png")
   print(f"wrote {out / 'summary.json'} and {out / 'loss_curves.png'}")
 

@@ -1,5 +1,6 @@
 """The examples' command lines and shared helpers (the runs themselves are the README's demo)."""
 
+import json
 import re
 
 import jax
@@ -9,7 +10,8 @@ import optax
 import pytest
 
 from examples import finetune_bert_sst2, finetune_llama, finetune_llama_nnx
-from examples.common import fit, max_loss_difference, speedups, time_forward_backward
+from examples.common import (fit, max_loss_difference, speedups, strict_json,
+                             time_forward_backward)
 from examples.datasets import DATA_DIR
 
 EXAMPLES = [finetune_bert_sst2, finetune_llama, finetune_llama_nnx]
@@ -107,6 +109,16 @@ def test_the_timing_runs_the_whole_batch_at_a_capacity_that_holds_it():
   assert timed_capacity(per_device, batches[0]) >= masks[0].sum()
   one_device = run_capacities(batches)
   assert timed_capacity(one_device, batches[0]) == one_device[0]
+
+
+def test_a_summary_is_strict_json_with_non_finite_numbers_as_null():
+  summary = {"losses": {"dense": [1.5, 1.25], "sebp": [1.5, float("nan")]},
+             "max_loss_difference": np.float32("nan"), "range": (np.inf, 2.0), "steps": 2,
+             "name": "bert"}
+  text = json.dumps(strict_json(summary), allow_nan=False)
+  assert json.loads(text) == {"losses": {"dense": [1.5, 1.25], "sebp": [1.5, None]},
+                              "max_loss_difference": None, "range": [None, 2.0], "steps": 2,
+                              "name": "bert"}
 
 
 def test_a_loss_timed_as_nan_raises():
