@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Four host (CPU) devices, for the tests of steps sharded over several devices
@@ -11,6 +13,24 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # of the compiled code cost more than they save here.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def _xla_accepts(flag: str) -> bool:
+  """Whether this jaxlib's XLA takes ``flag``: an unknown one in XLA_FLAGS aborts the process,
+  so a child process tries it first."""
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                         env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True)
+  return probe.returncode == 0
+
+
+# XLA's CPU fusion emitters (through MLIR) take longer to compile a fusion than its classic
+# ones, which the tests' programs, mostly small fusions, pay for in nearly every compile.
+# The XLA of jaxlib 0.11 (on the GPU machines) does not know the flag: there it is left out.
+_CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _xla_accepts(
+    _CLASSIC_EMITTERS):
+  os.environ["XLA_FLAGS"] += " " + _CLASSIC_EMITTERS
 # One compilation cache for the run, shared by the xdist workers (started after this runs in
 # the controller, they inherit it) and the processes tests start: a program that several
 # tests compile alike (a dense reference gradient of the same model and batch, say) compiles

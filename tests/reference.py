@@ -38,6 +38,23 @@ def reference_table_grad(num_embeddings, ids, dy, rows):
   return d_table
 
 
+def reference_take_grad(num_embeddings, ids, dy):
+  """float64 gradient of ``jnp.take(table, ids, axis=0)`` for the table (ids of any integer
+  dtype and shape, dy ``[*ids.shape, F]``): each id adds its row of dy to the row take reads,
+  a negative id plus the table's size, added in the ids' dtype (where the size does not fit
+  it, it wraps, as in take), and nothing where that is still out of the table."""
+  ids = np.asarray(ids)
+  with np.errstate(over="ignore"):
+    size = np.asarray(num_embeddings).astype(ids.dtype)
+    rows = np.where(ids < 0, ids + size, ids).ravel()
+  dy = np.asarray(dy, np.float64).reshape(-1, np.shape(dy)[-1])
+  d_table = np.zeros((num_embeddings, dy.shape[1]))
+  for position, row in enumerate(int(r) for r in rows):
+    if 0 <= row < num_embeddings:
+      d_table[row] += dy[position]
+  return d_table
+
+
 def random_sparse_rows(rng, num_rows, width, num_nonzero, dtype=np.float32):
   """[num_rows, width] normal data with all but `num_nonzero` random rows exactly zero."""
   dy = rng.standard_normal((num_rows, width)).astype(dtype)

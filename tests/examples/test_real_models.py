@@ -62,7 +62,9 @@ def test_smollm2_wikitext_packed_gradients(smollm2):
   kwargs = dict(top_n=int(mask.sum()), active_mask=mask, packed=True)
   got = jax.jit(jax.grad(causal_lm_loss(model, ids, mask, kwargs, capacity=int(mask.sum()))))(
       params)
-  assert_every_gradient_close(got, want)
+  # float32 sums through 30 layers, packed and padded in different orders: up to about 2e-4
+  # apart on a few elements.
+  assert_every_gradient_close(got, want, rtol=4e-4)
   with use_sebp(**kwargs) as report:
     jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), params)
   assert report.packed == ["model", "lm_head"] and report.capacity == int(mask.sum())
