@@ -229,6 +229,11 @@ class SEBPContext:
   def include_given(self) -> bool:
     return self.include.pattern != DEFAULT_INCLUDE
 
+  def excluded_by_user(self, path: str) -> bool:
+    """``path`` matches an ``exclude`` of the user's own (not the default's heads)."""
+    return (self.exclude is not None and self.exclude.pattern != DEFAULT_EXCLUDE
+            and self.exclude.search(path) is not None)
+
   def activate(self) -> None:
     """Makes this the thread's context and computes the shared index of ``active_mask``."""
     if getattr(_ACTIVE, "context", None) is not None:
@@ -236,6 +241,9 @@ class SEBPContext:
       raise RuntimeError(
           "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
           "model call, with the options of all its layers (include/exclude pick layers).")
+    # Entered again, a context starts afresh: a report and a packed region of before would
+    # be taken for this use's.
+    self.reset()
     if self.batch_axes is None and self.mesh is None:
       mesh = jax.sharding.get_abstract_mesh()
       if any(kind == AxisType.Auto and mesh.shape[name] > 1
@@ -269,8 +277,11 @@ class SEBPContext:
   def jit_key(self) -> tuple:
     """Everything a program traced in this context depends on, hashable: the options and
     the mask (:meth:`mask_key`)."""
-    return (type(self).__name__, self.top_n, self.threshold, self.overflow,
-            self.include.pattern, self.exclude and self.exclude.pattern, self.lm_head,
+    # top_n with its type: 1.0 (every row) equals 1 (one row) as a key. Patterns with their
+    # flags: re.I changes what they match.
+    return (type(self).__name__, type(self.top_n), self.top_n, self.threshold, self.overflow,
+            self.include.pattern, self.include.flags,
+            self.exclude and (self.exclude.pattern, self.exclude.flags), self.lm_head,
             self.backend, self.embeddings, self.row_log, self.batch_axes, self.mesh,
             self._mask_key_value)
 
@@ -428,6 +439,8 @@ class SEBPContext:
       return None
     if self.exclude and self.exclude.search(path):
       return "matched by exclude"
+    if is_linear and _LM_HEAD.search(path):  # an exclude of the user's own left it out
+      return "a language-model head (lm_head=False)"
     if is_linear and not self.include.search(path):
       return "not matched by include"
     return None

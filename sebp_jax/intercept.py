@@ -120,7 +120,8 @@ class use_sebp(SEBPContext):
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads
-      (:data:`LM_HEAD`) run on those tokens too. Layers outside (BERT's embeddings, poolers,
+      (:data:`LM_HEAD`) run on those tokens too, as does any Dense on every token after it
+      that an ``exclude`` of the user's own does not name. Layers outside (BERT's embeddings, poolers,
       heads) keep what the other options say. Exact under the conditions of the shared
       index: the outputs are read at real tokens only. Any mask layout works (left padding,
       holes), but a head that reads each row's first column (BERT's pooler) needs a real
@@ -317,8 +318,10 @@ class use_sebp(SEBPContext):
     # classifier, QA's qa_outputs) acts row by row: it runs on the packed rows, and a loss
     # that reads its outputs at padding, which packing did not compute, makes its gradients
     # NaN too (scatter_tokens), not only the region's. A model packing does not know (Bart,
-    # T5) has no packed region.
-    if self._packed_family is not None and isinstance(module, nn.Dense) and module.path:
+    # T5) has no packed region. One that the user's exclude names runs as it is: it may not
+    # read the region's outputs at all.
+    if (self._packed_family is not None and isinstance(module, nn.Dense) and module.path
+        and not self.excluded_by_user(path)):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
         record(self.report.packed, path)

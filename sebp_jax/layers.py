@@ -13,6 +13,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_embed_lookup, sebp_linear
@@ -29,7 +30,8 @@ def resolve_top_n(top_n: int | float | str, num_rows: int) -> int | str:
   check; a float in ``(0, 1]`` is the kept fraction, rounded up, so ``0.25`` keeps a quarter
   of the rows. All are static: fractions resolve from array shapes, never from data.
   """
-  if isinstance(top_n, float):
+  if isinstance(top_n, (float, np.floating)):
+    top_n = float(top_n)
     if not 0.0 < top_n <= 1.0:
       raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
     return max(1, math.ceil(top_n * num_rows))
@@ -91,8 +93,9 @@ def linear_head(module: nn.Dense, inputs: Array) -> LinearHead | None:
   if (type(module).__call__ not in (nn.Dense.__call__, SEBPDense.__call__)
       or module.dot_general is not None or module.dot_general_cls is not None):
     return None
-  kernel = module.get_variable("params", "kernel")
-  bias = module.get_variable("params", "bias") if module.use_bias else None
+  # Unboxed as module.param would: nn.with_partitioning wraps a param in its metadata.
+  kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
+  bias = nn.meta.unbox(module.get_variable("params", "bias")) if module.use_bias else None
   inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
   return LinearHead(inputs, kernel, bias, module.precision)
 

@@ -247,6 +247,9 @@ def test_bad_arguments():
     use_sebp(active_mask=1)
   with pytest.raises(ValueError, match="kept fraction"):
     use_sebp(top_n=1.5)
+  with pytest.raises(ValueError, match="kept fraction"):
+    use_sebp(top_n=np.float32(1.5))
+  use_sebp(top_n=np.float32(0.5))  # a numpy float is a fraction too
   with pytest.raises(ValueError, match="threshold"):
     use_sebp(top_n=4, threshold=-1.0)
   with pytest.raises(ValueError, match="backend"):
@@ -737,3 +740,127 @@ def test_a_context_around_a_jitted_call_never_runs_another_contexts_program():
     got = grad(params, x, mask)
   assert len(traces) == 3 and again == first
   assert_every_gradient_close(got, _dense_mlp_grads(params, x, mask))
+
+
+def test_contexts_of_equal_looking_options_run_their_own_programs():
+  """A jitted gradient traced under top_n=1 (one row) is not the program of top_n=1.0 (every
+  row), though 1 == 1.0; nor is an exclude pattern's program that of the pattern with a flag
+  (re.IGNORECASE) matching other layers."""
+  import re
+  params, x, mask = _mlp_problem(41, [3, 5, 2, 4])
+  grad = jax.jit(jax.grad(lambda p: PlainMLP().apply(p, x, mask)))
+  want = _dense_mlp_grads(params, x, mask)
+  with use_sebp(top_n=1, overflow="drop", backend="xla"):
+    one_row = grad(params)
+  assert not np.allclose(one_row["params"]["Dense_0"]["kernel"],
+                         want["params"]["Dense_0"]["kernel"])
+  with use_sebp(top_n=1.0, overflow="drop", backend="xla") as every_row:
+    assert_every_gradient_close(grad(params), want)
+  assert every_row.swapped == ["Dense_0", "Dense_1"]
+  with use_sebp(top_n=1.0, backend="xla", exclude=re.compile("DENSE_1", re.I)) as flagged:
+    grad(params)
+  with use_sebp(top_n=1.0, backend="xla", exclude="DENSE_1") as plain:
+    grad(params)
+  assert flagged.swapped == ["Dense_0"] and plain.swapped == ["Dense_0", "Dense_1"]
+
+
+def test_a_context_entered_again_starts_afresh():
+  class OneLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jnp.sum(nn.Dense(2, name="only")(x))
+
+  params, x, mask = _mlp_problem(42, [3, 5, 2, 4])
+  one_params = OneLayer().init(jax.random.key(1), x)
+  context = use_sebp(top_n=1.0, backend="xla")
+  with context as first:
+    jax.grad(lambda p: PlainMLP().apply(p, x, mask))(params)
+  with context as second:
+    jax.grad(lambda p: OneLayer().apply(p, x))(one_params)
+  assert first.swapped == ["Dense_0", "Dense_1"] and second.swapped == ["only"]
+  assert second is not first
+
+
+def test_lm_head_false_keeps_the_head_dense_beside_an_exclude_of_ones_own():
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return nn.Dense(50, name="lm_head")(nn.Dense(8, name="mlp")(nn.Embed(50, 8)(ids)))
+
+  ids = jnp.asarray(np.random.default_rng(43).integers(0, 50, (2, 6)), jnp.int32)
+  params = LM().init(jax.random.key(0), ids)
+  with use_sebp(lm_head=False, exclude="classifier") as report:
+    LM().apply(params, ids)
+  assert report.swapped == ["mlp"]
+  assert report.skipped["lm_head"] == "a language-model head (lm_head=False)"
+  with use_sebp(lm_head=True, exclude="classifier") as report:
+    LM().apply(params, ids)
+  assert report.swapped == ["mlp", "lm_head"]
+
+
+def test_a_packed_head_reads_weights_boxed_with_their_partitioning(tiny_llama):
+  """An LM head whose kernel carries nn.with_partitioning's metadata runs on the packed rows
+  as a plain one does."""
+  from transformers.models.llama.modeling_flax_llama import FlaxLlamaModule
+  from sebp_jax.losses import masked_causal_lm_loss
+
+  config = tiny_llama.config
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids, mask):
+      positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+      hidden = FlaxLlamaModule(config, name="model")(ids, mask, positions)[0]
+      return nn.Dense(config.vocab_size, use_bias=False, name="lm_head",
+                      kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                       (None, "vocab")))(hidden)
+
+  ids, mask = _padded_batch(np.random.default_rng(44), 2, 12, config.vocab_size)
+  params = LM().init(jax.random.key(0), ids, mask)
+  assert isinstance(params["params"]["lm_head"]["kernel"], nn.Partitioned)
+
+  def loss(params, packed):
+    options = dict(top_n=int(mask.sum()), active_mask=mask, packed=True) if packed else None
+    with use_sebp(**options) if packed else nullcontext():
+      logits = LM().apply(params, ids, mask)
+    return masked_causal_lm_loss(logits, ids, mask,
+                                 capacity=int(mask.sum()) if packed else None)
+
+  assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
+
+
+def test_a_dense_after_a_packed_region_that_the_users_exclude_names_runs_as_it_is():
+  """A per-token Dense after the packed encoder, on features of its own (not the encoder's
+  outputs), read at every position: packed, its forward would change at padding; named in
+  exclude, it runs as it is and the gradients are the dense ones."""
+  from transformers.models.bert.modeling_flax_bert import FlaxBertModule
+
+  config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=16)
+
+  class Tagger(nn.Module):
+    @nn.compact
+    def __call__(self, ids, mask, features):
+      positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+      hidden = FlaxBertModule(config, add_pooling_layer=False, name="bert")(
+          ids, mask, jnp.zeros_like(ids), positions, None)[0]
+      return jnp.sum(hidden[:, 0]) + jnp.sum(jnp.tanh(nn.Dense(4, name="side_proj")(features)))
+
+  rng = np.random.default_rng(45)
+  ids, mask = _padded_batch(rng, 2, 8, 50)
+  features = jnp.asarray(rng.standard_normal((2, 8, 3)), jnp.float32)
+  params = Tagger().init(jax.random.key(0), ids, mask, features)
+
+  reports = []
+
+  def loss(params):
+    with use_sebp(top_n=int(mask.sum()), active_mask=mask, packed=True,
+                  exclude="side_proj") as report:
+      reports.append(report)
+      return Tagger().apply(params, ids, mask, features)
+
+  got, got_grads = jax.value_and_grad(loss)(params)
+  want, want_grads = jax.value_and_grad(lambda p: Tagger().apply(p, ids, mask, features))(params)
+  assert reports[0].packed == ["bert/encoder"]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert_every_gradient_close(got_grads, want_grads)
