@@ -225,10 +225,11 @@ def layer_table(records, *, top_n: int | None = None,
   Each row holds ``layer``, ``steps`` (records of the layer), ``rows`` (T, the largest seen),
   ``active_mean`` and ``active_max`` (rows of dY the backward found active), ``row_sparsity``
   (the share of the layer's rows over all its steps that were not active) and
-  ``capacity_max``. Where every record of the layer carries
-  row values (``RowLog(row_values=True)``), also what a given ``top_n``/``threshold`` would
-  do: ``active_at_threshold_mean`` (rows whose max ``|dY|`` exceeds ``threshold``, 0 when
-  None, or that hold NaN) and ``dropped_share_mean``/``dropped_share_max`` (:func:`dropped_share` of each step).
+  ``capacity_max``. Where every record of the layer carries row values
+  (``RowLog(row_values=True)``), also what a given ``top_n``/``threshold`` would do:
+  ``active_at_threshold_mean`` (rows whose max ``|dY|`` exceeds ``threshold``, 0 when None,
+  or that hold NaN) and ``dropped_share_mean``/``dropped_share_max`` (:func:`dropped_share`
+  of each step).
   """
   top_n = _validate_top_n(top_n)
   threshold = 0.0 if threshold is None else validate_threshold(threshold)

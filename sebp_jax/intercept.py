@@ -121,8 +121,8 @@ class use_sebp(SEBPContext):
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads
       (:data:`LM_HEAD`) run on those tokens too, as does any Dense on every token after it
-      that an ``exclude`` of the user's own does not name. Layers outside (BERT's embeddings, poolers,
-      heads) keep what the other options say. Exact under the conditions of the shared
+      that an ``exclude`` of the user's own does not name. Layers outside (BERT's
+      embeddings, poolers, heads) keep what the other options say. Exact under the conditions of the shared
       index: the outputs are read at real tokens only. Any mask layout works (left padding,
       holes), but a head that reads each row's first column (BERT's pooler) needs a real
       token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real
