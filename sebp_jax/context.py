@@ -224,6 +224,7 @@ class SEBPContext:
     self._jit_key_value: tuple | None = None
     self._jit_key_context = None
     self._warned_ambiguous = False
+    self._entered = False
 
   @property
   def include_given(self) -> bool:
@@ -242,8 +243,10 @@ class SEBPContext:
           "use_sebp is already active: contexts do not nest. Enter one use_sebp around the "
           "model call, with the options of all its layers (include/exclude pick layers).")
     # Entered again, a context starts afresh: a report and a packed region of before would
-    # be taken for this use's.
-    self.reset()
+    # be taken for this use's. The first use fills the report made with the context.
+    if self._entered:
+      self.reset()
+    self._entered = True
     if self.batch_axes is None and self.mesh is None:
       mesh = jax.sharding.get_abstract_mesh()
       if any(kind == AxisType.Auto and mesh.shape[name] > 1
