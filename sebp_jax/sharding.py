@@ -412,6 +412,17 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
   return interceptor
 
 
+def _unboxed(tree: Any) -> Any:
+  """``tree`` with each Flax metadata box (``nn.with_partitioning``'s ``nn.Partitioned``,
+  ``nn.LogicallyPartitioned``) replaced by its value, unconstrained: a box's own unboxing
+  constrains the value to a sharding over the mesh's axes, which a ``shard_map`` has made
+  manual."""
+  def unbox(box):
+    return (box.unbox(apply_constraint=False) if isinstance(box, nn.Partitioned)
+            else box.unbox())
+  return nn.meta.map_axis_meta(unbox, tree)
+
+
 def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "data",
               weight_fn: Callable | None = None, gather_dtype: Any = None,
               lookups_in_place: bool | str = "auto") -> Callable:
@@ -456,7 +467,9 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     param_specs: PartitionSpecs shaped like the params: ``P(axis)`` for a parameter split
       along its first dimension, ``P(None, axis)`` for one split along its second (an LM
       head's kernel by its vocabulary), ``P()`` for a replicated one; :func:`fsdp_specs`
-      writes them.
+      writes them. Params boxed by ``nn.with_partitioning`` take specs boxed alike (as
+      ``fsdp_specs`` writes them); ``loss_fn`` gets them unboxed, split as the specs say
+      whatever names the boxes carry.
     axis: the mesh axis that splits every array of ``batch`` and the split parameters.
     weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
       device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
@@ -498,7 +511,7 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     share = weight / jnp.where(total == 0, 1.0, total)
     with nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
                                                   lookups_in_place)):
-      loss = loss_fn(params_tree.unflatten(whole), batch)
+      loss = loss_fn(_unboxed(params_tree.unflatten(whole)), batch)
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
@@ -519,7 +532,8 @@ def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
   batch × length), the head split only where that moves fewer bytes, the devices times those
   rows fewer than ``V``; None splits it wherever the devices divide ``V``. ``heads=()`` splits
   every matrix by its rows, as it does an NNX model's (``fsdp_loss`` computes a split head in
-  place for Linen models only).
+  place for Linen models only). A param boxed by ``nn.with_partitioning`` gets its spec in a
+  box alike, chosen as for its value (the box's names are not read).
   """
   devices = _mesh_axis_size(mesh, axis)
   if isinstance(heads, str):
@@ -528,13 +542,16 @@ def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
     raise ValueError(f"head_rows must be a positive int or None, got {head_rows!r}")
 
   def spec(path, param):
+    if isinstance(param, nn.Partitioned):  # nn.with_partitioning's box: its value's spec.
+      return param.replace(value=spec(path, param.value))
     names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
     shape = np.shape(param)
     if (set(names) & set(heads) and names[-1] == "kernel" and len(shape) == 2
         and shape[1] % devices == 0 and (head_rows is None or devices * head_rows < shape[1])):
       return P(None, axis)
     return P(axis) if len(shape) >= 2 and shape[0] % devices == 0 else P()
-  return jax.tree_util.tree_map_with_path(spec, params)
+  return jax.tree_util.tree_map_with_path(
+      spec, params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def shard_row_counts(mask: Any, num_shards: int) -> np.ndarray:

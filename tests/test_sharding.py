@@ -785,6 +785,55 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
 
 
+def test_fsdp_loss_takes_params_boxed_by_with_partitioning():
+  """A Linen LM whose table and kernels are made with `nn.with_partitioning` (names that are
+  no axis of the mesh among them): `fsdp_specs` splits the boxed params as it does unboxed
+  ones (the head by its vocabulary), and `fsdp_loss` runs the model on the gathered values
+  (a box's own unboxing constrains it to the mesh's axes, which the `shard_map` made
+  manual), with the table looked up in place and the head computed on each device's
+  columns: one device's loss and gradient, the unboxed step's collectives."""
+  def boxed(init, names, box):
+    return nn.with_partitioning(init, names) if box else init
+
+  class TinyLM(nn.Module):
+    box: bool
+
+    @nn.compact
+    def __call__(self, ids):
+      table = nn.Embed(256, 8, embedding_init=boxed(nn.initializers.normal(1.0),
+                                                    ("vocab", None), self.box))
+      hidden = nn.Dense(8, kernel_init=boxed(nn.initializers.lecun_normal(), ("data", None),
+                                              self.box))(table(ids))
+      return nn.Dense(64, name="lm_head", kernel_init=boxed(
+          nn.initializers.lecun_normal(), (None, "data"), self.box))(jnp.tanh(hidden))
+
+  rng = np.random.default_rng(8)
+  mask = (np.arange(6)[None] < rng.integers(1, 7, size=(8, 1))).astype(np.int32)
+  ids = jnp.asarray(rng.integers(0, 64, size=(8, 6)) * mask, jnp.int32)  # The head's.
+  mesh = _mesh(AxisType.Auto)
+  batch = jax.device_put((ids, mask), NamedSharding(mesh, P("data")))
+  results = {}
+  for box in (True, False):
+    net = TinyLM(box)
+    params = net.init(jax.random.key(0), ids)["params"]
+    loss = lambda params, batch, net=net: masked_causal_lm_loss(
+        net.apply({"params": params}, batch[0]), *batch)
+    specs = fsdp_specs(params, mesh)
+    split = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
+                         params, specs)
+    step = jax.jit(jax.value_and_grad(fsdp_loss(
+        loss, mesh, specs, weight_fn=lambda batch: causal_lm_target_count(batch[1]))))
+    got = step(split, batch)
+    want = jax.value_and_grad(loss)(params, (ids, mask))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_every_gradient_close(got[1], want[1], rtol=1e-5)
+    assert isinstance(got[1]["lm_head"]["kernel"], nn.Partitioned) == box
+    results[box] = (nn.meta.unbox(specs), collective_sizes(step.lower(split, batch).compile()))
+  assert results[True] == results[False]
+  assert results[True][0]["lm_head"]["kernel"] == P(None, "data")
+  assert results[True][0]["Embed_0"]["embedding"] == P("data")
+
+
 def test_fsdp_specs_split_matrices_by_rows_and_a_head_by_its_vocabulary_where_that_moves_less():
   """`fsdp_specs` on 4 devices: a matrix (or a 3-D kernel) the devices divide split by rows,
   vectors and a matrix they do not divide replicated; `lm_head`'s kernel [D, V] split by its
