@@ -10,7 +10,8 @@ It acts while a function is *traced*. Its options and a concrete mask's contents
 context is traced again inside it, and one traced inside it is traced again outside (dense) or
 in another context; an equal context runs the program compiled before. Only a program compiled
 ahead of time runs what it was compiled with: the context raises when no layer went through
-it. Entering it inside the function being jitted (or decorating that function with it) gives
+it, unless an equal context traced layers before (it then takes that trace's report, which it
+cannot tell from the program's). Entering it inside the function being jitted (or decorating that function with it) gives
 each batch of a traced mask its index with one compile.
 """
 

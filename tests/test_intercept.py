@@ -154,6 +154,11 @@ def test_a_function_compiled_before_is_traced_again_or_loud(tiny_bert):
                      r"in it.*ahead of time"):
     with use_sebp(top_n=5):
       compiled(tiny_bert.params)
+  # Where an equal context traced layers before, it cannot tell the program from a cached
+  # one: it takes that report (the README says so).
+  with use_sebp(top_n=4) as unseen:
+    compiled(tiny_bert.params)
+  assert unseen == report
 
 
 def test_decorator_form_and_grad(tiny_bert):
