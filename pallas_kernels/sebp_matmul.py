@@ -133,6 +133,21 @@ def _check_operand_dtypes(**operands) -> None:
           f"got {operand.dtype}; sebp_jax's backend='xla' handles float64")
 
 
+def index_int32(active_rows: jax.Array, num_rows: int) -> jax.Array:
+  """``active_rows`` as the kernels read it, int32[K]: a 1-D integer index (a float would be
+  truncated into rows), entries of a wider dtype past ``num_rows`` clipped to it, the
+  sentinel, before narrowing (a uint32 past 2**31 would wrap to a negative row). Its order
+  cannot be checked on a traced index: one out of order reads unspecified rows (``sebp_jax``
+  sorts its indices before they reach a kernel)."""
+  dtype = jnp.dtype(active_rows.dtype)
+  if active_rows.ndim != 1 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"active_rows must be a 1-D integer index, got {dtype}"
+                     f"{list(active_rows.shape)}")
+  if jnp.iinfo(dtype).max > jnp.iinfo(jnp.int32).max:
+    active_rows = jnp.clip(active_rows, 0 if jnp.iinfo(dtype).min == 0 else -1, num_rows)
+  return active_rows.astype(jnp.int32)
+
+
 def _fit(block: int, dim: int) -> int:
   """Shrinks a block to the smallest power of two >= 16 covering ``dim``."""
   return min(block, max(16, pl.next_power_of_2(dim)))
@@ -328,7 +343,6 @@ def _gathered_dw_db_kernel(
 def _at_least_one_slot(active_rows: jax.Array, num_rows: int) -> jax.Array:
   """The kernels read slot 0 unconditionally: give an empty index one
   sentinel slot (a static-shape edge case; K >= 1 passes through)."""
-  active_rows = active_rows.astype(jnp.int32)
   if active_rows.shape[0] == 0:
     return jnp.full((1,), num_rows, jnp.int32)
   return active_rows
@@ -342,7 +356,6 @@ def _compiler_params(block_sizes: BlockSizes):
 def _gathered_dx_call(dy, kernel, active_rows, *, block_sizes: BlockSizes,
                       interpret: bool, precision, zero_sentinel_slots: bool):
   # K >= 1 here: gathered_dx answers an empty index itself.
-  active_rows = active_rows.astype(jnp.int32)
   num_slots = active_rows.shape[0]
   d = kernel.shape[0]
   # D blocks vary fastest, also where the kernel is the larger operand:
@@ -452,6 +465,7 @@ def gathered_dx(dy: jax.Array, kernel: jax.Array, active_rows: jax.Array, *,
   if kernel_n != n:
     raise ValueError(f"dy {dy.shape} and kernel {kernel.shape} disagree on N")
   _check_operand_dtypes(dy=dy, kernel=kernel)
+  active_rows = index_int32(active_rows, num_rows)
   if 0 in (active_rows.shape[0], num_rows, d, n):
     # Nothing to tile: an empty result, or zeros (no rows to read, or empty sums).
     return gathered_dx_reference(dy, kernel, active_rows)
@@ -504,6 +518,7 @@ def gathered_dw_db(
   if dy_rows != num_rows:
     raise ValueError(f"x {x.shape} and dy {dy.shape} disagree on T")
   _check_operand_dtypes(x=x, dy=dy)
+  active_rows = index_int32(active_rows, num_rows)
   if 0 in (active_rows.shape[0], num_rows, d, n):
     # Nothing to tile: an empty result, or sums of no rows (zero, or the poison).
     return gathered_dw_db_reference(x, dy, active_rows, with_bias=with_bias, poison=poison,

@@ -40,6 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.sebp_matmul import index_int32
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulTiles:
@@ -104,10 +106,11 @@ def default_block_sizes(d: int, n: int, num_sms: int) -> MosaicBlockSizes:
 
 def supports_shapes(d: int, n: int, dtype, block_sizes: MosaicBlockSizes | None = None) -> bool:
   """Whether these kernels take a layer of ``kernel: [d, n]`` in ``dtype``: 16-bit operands
-  (``wgmma`` in float32 would be tf32) and both widths whole multiples of the tiles."""
+  (``wgmma`` in float32 would be tf32) and both widths whole, non-zero multiples of the
+  tiles."""
   blocks = block_sizes or MosaicBlockSizes()
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and d % blocks.dx.block_n == 0 and n % blocks.dx.block_k == 0
+          and d > 0 and n > 0 and d % blocks.dx.block_n == 0 and n % blocks.dx.block_k == 0
           and d % blocks.dw.block_m == 0 and n % blocks.dw.block_n == 0)
 
 
@@ -314,7 +317,7 @@ def kept_rows_backward(
         f"x, kernel and dy must share one 16-bit dtype, with D={d} and N={n} multiples of the "
         f"tiles {blocks}; got {x.dtype}, {kernel.dtype}, {dy.dtype}")
   num_slots = max(1, pl.cdiv(active_rows.shape[0], blocks.copy_rows)) * blocks.copy_rows
-  active_rows = jnp.pad(active_rows.astype(jnp.int32),
+  active_rows = jnp.pad(index_int32(active_rows, num_rows),
                         (0, num_slots - active_rows.shape[0]), constant_values=num_rows)
   count = jnp.sum(active_rows < num_rows, dtype=jnp.int32).reshape(1)
   copy = functools.partial(_compact, count, active_rows, copy_rows=blocks.copy_rows,

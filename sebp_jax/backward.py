@@ -128,7 +128,12 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
     (rows,) = jnp.nonzero(statistics.active, size=size, fill_value=num_rows)
     return (rows.astype(jnp.int32), statistics.active,
             jnp.sum(statistics.active, dtype=jnp.int32), None, None, statistics)
-  rows = active_rows
+  # The contract (ascending, then sentinels) is checked where the index is concrete only;
+  # sorted with entries out of [0, T) as sentinels, a traced index that breaks it reads the
+  # same rows in every backend (the kernels follow a sorted count), and a nonzero row it
+  # misses shows as stray.
+  rows = jnp.sort(jnp.where((active_rows >= 0) & (active_rows < num_rows), active_rows,
+                            num_rows))
   row_max = row_max_abs(dy) if statistics is None else statistics.max_abs
   stray = stray_rows(row_max, rows_mask(rows, num_rows), threshold)
   if statistics is not None:

@@ -201,10 +201,11 @@ def on_hopper() -> bool:
 
 def mosaic_takes(x, kernel, dy) -> bool:
   """Whether the Mosaic GPU kernels take these operands: one 16-bit dtype and widths their
-  tiles divide."""
+  tiles divide, with 64-bit types off (Mosaic's pipeline mixes 64- and 32-bit step counts
+  under ``jax_enable_x64``)."""
   from pallas_kernels import sebp_matmul_mgpu  # Lazily, as in pallas_triton_backward.
 
-  return (x.dtype == kernel.dtype == dy.dtype
+  return (x.dtype == kernel.dtype == dy.dtype and not jax.config.jax_enable_x64
           and sebp_matmul_mgpu.supports_shapes(*kernel.shape, kernel.dtype))
 
 

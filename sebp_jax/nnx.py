@@ -32,7 +32,7 @@ from sebp_jax import model_families
 from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
 from sebp_jax.layers import resolve_top_n
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_decoder_mask,
-                              packed_attention)
+                              invalid_slots, packed_attention)
 from sebp_jax.ops import (sebp_embed_lookup, sebp_linear, validate_backend, validate_capacity,
                           validate_overflow, validate_threshold)
 from sebp_jax.report import RowLog
@@ -545,7 +545,8 @@ class use_packed_attention:
   batch run in the context) raises where it is concrete and makes the outputs NaN where it
   is traced (but for a batch split over devices, where a traced mask is not checked);
   ``None`` in its place skips the check. The outputs at real tokens are those of
-  the padded batch.
+  the padded batch; where a traced mask held more real tokens than the capacity, every
+  output is NaN.
 
   Enter it where the packed inputs are made, best inside the traced function (the loss under
   ``nnx.grad``). Entered outside ``nnx.jit``, a concrete layout's contents are part of jit's
@@ -591,9 +592,12 @@ class use_packed_attention:
                          f"pack_decoder_inputs(window=), not the model's own ({window})")
       out = packed_attention(query, key, value, layout, window=layout.window,
                              method=self.attention, **options)
+      # A layout that overflowed its capacity makes the packed outputs NaN, not only their
+      # unpacking: a loss read on the packed slots would miss the tokens cut. Added, not
+      # selected, so that every gradient behind it is NaN too rather than zero.
+      out = out + invalid_slots(layout)[:, None, None].astype(out.dtype)
       if matches is None:
         return out
-      # Added, not selected, so that every gradient behind it is NaN too rather than zero.
       return out + jnp.where(matches, 0, jnp.nan).astype(out.dtype)
     return core
 

@@ -82,7 +82,9 @@ def validate_active_rows(active_rows: Any, num_rows: int,
 
   The contract: row indices in ``[0, num_rows)``, strictly ascending, then the sentinel
   ``num_rows`` in every unused slot. A concrete index is checked against it; a traced one
-  cannot be, and breaking the contract there counts a row twice or wraps it. With rows split
+  cannot be: the backward sorts it and drops its entries out of ``[0, num_rows)`` (a nonzero
+  row it then misses makes dW and db NaN, as any row the index skips), and counts a row listed
+  twice twice. With rows split
   into ``num_shards`` shards, the index is one such block per shard, of its own rows.
   """
   if active_rows is None:

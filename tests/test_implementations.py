@@ -169,7 +169,8 @@ def test_pallas_mosaic_carries_the_poison():
 def test_pallas_takes_the_mosaic_kernels_on_hopper_only(monkeypatch):
   """``"pallas"`` runs the Mosaic GPU route where the device is a Hopper GPU (faked here; on a
   CPU the kernels then run interpreted) and the Triton kernels elsewhere; the Mosaic route
-  itself leaves operands its tiles do not divide, and float32, to the Triton kernels."""
+  itself leaves operands its tiles do not divide, float32, and any operands under
+  jax_enable_x64 to the Triton kernels."""
   from pallas_kernels import sebp_matmul_mgpu
   calls = []
   real = sebp_matmul_mgpu.kept_rows_backward
@@ -191,7 +192,10 @@ def test_pallas_takes_the_mosaic_kernels_on_hopper_only(monkeypatch):
   assert calls == [(128, 128)]
   run(96, 128, jnp.bfloat16)
   run(128, 128, jnp.float32)
+  with jax.enable_x64(True):  # Mosaic's pipeline mixes int64 and int32 step counts there.
+    dx, dkernel, _ = run(128, 128, jnp.bfloat16)
   assert calls == [(128, 128)]
+  assert np.isfinite(np.asarray(dkernel, np.float32)).all() and dx.shape == (64, 128)
 
 
 def test_dense_carries_a_nan_of_any_row():

@@ -149,11 +149,27 @@ def test_packed_inputs_give_the_padded_logits_and_gradients(padding, attentions)
 
 
 def test_packed_inputs_overflowing_the_capacity_give_nan():
+  """A traced mask of more real tokens than the capacity: the logits NaN, and so the packed
+  outputs the model gives under `use_packed_attention` (a loss read there, not unpacked,
+  counts no token less) and every gradient of a loss of them."""
   model = _tiny_llama(weight_tying=False, remat="NONE")
   ids, mask = _batch(4)
   logits = nnx.jit(lambda m, ids, mask: tunix_logits(m, ids, mask, capacity=4))(
       model, ids, mask)
   assert np.isnan(np.asarray(logits)).all()
+
+  capacity = int(np.sum(mask)) - 1
+
+  def packed_loss(model, ids, mask):
+    packed = pack_decoder_inputs(ids, mask, capacity)
+    with sebp_nnx.use_packed_attention(model, packed.layout):
+      logits, _ = model(packed.input_ids, packed.positions, None, packed.attention_mask)
+    return jnp.mean(logits[0, :4])  # The first slots, whose tokens are all real.
+
+  loss, grads = nnx.jit(nnx.value_and_grad(packed_loss))(model, ids, mask)
+  assert np.isnan(np.asarray(loss))
+  for grad in jax.tree.leaves(nnx.state(grads, nnx.Param)):  # The table's read rows only.
+    assert np.isnan(np.asarray(grad)).any()
 
 
 @pytest.mark.parametrize("attention", ["mask", "rows"])

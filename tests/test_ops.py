@@ -401,3 +401,27 @@ def test_a_concrete_index_is_checked_against_its_contract(rows, match):
   with pytest.raises(ValueError, match=match):
     sebp_linear(x, kernel, top_n=3, active_rows=jnp.array(rows))
   sebp_linear(x, kernel, top_n=3, active_rows=jnp.array([0, 5, 6]))  # padded: accepted
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_traced_index_out_of_order_reads_its_rows_in_every_backend(backend):
+  """A traced index cannot be checked: out of order (sentinels first, rows shuffled) and with
+  an entry past T, each backend reads its listed rows (the reference's); an entry below 0 in
+  place of a nonzero row leaves that row out, which makes dW and db NaN."""
+  rng = np.random.default_rng(31)
+  x, kernel, bias, g = _problem(rng, (40,), 6, 5, num_nonzero=8)
+  kept = np.flatnonzero(g.any(axis=1))
+  index = np.concatenate([[40, 40, 99], rng.permutation(kept), np.full(13, 40)])
+
+  @jax.jit
+  def grads(index, g):
+    loss = lambda x, k, b: jnp.sum(sebp_jax.sebp_linear(
+        x, k, b, top_n=24, active_rows=index, backend=backend) * g)
+    return jax.grad(loss, argnums=(0, 1, 2))(x, kernel, bias)
+
+  got = grads(jnp.asarray(index, jnp.int32), g)
+  for got_one, want in zip(got, reference_backward(x, kernel, g, kept)):
+    np.testing.assert_allclose(got_one, want, rtol=1e-5, atol=1e-6)
+  index[index == kept[-1]] = kept[-1] - 40  # The same row, counted from the end.
+  missed = grads(jnp.asarray(index, jnp.int32), g)
+  assert np.isnan(np.asarray(missed[1])).all() and np.isnan(np.asarray(missed[2])).all()

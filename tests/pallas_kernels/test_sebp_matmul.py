@@ -443,6 +443,34 @@ def test_under_enable_x64():
                      interpret=INTERPRET)
 
 
+def test_an_index_of_any_integer_dtype_reads_its_rows_and_others_are_refused():
+  """uint8, int64 and uint32 indices read the rows an int32 one does, a wide entry past T as
+  the sentinel (a uint32 past 2**31 is not wrapped to a negative row); a float or 2-D index
+  is refused by name."""
+  rng = np.random.default_rng(13)
+  x, dy = _random(rng, (40, 16), jnp.float32), _random(rng, (40, 24), jnp.float32)
+  kernel = _random(rng, (16, 24), jnp.float32)
+  active_rows, rows = _active_rows(rng, 40, 8, 5)
+  want_dx = _f64(dy)[rows] @ _f64(kernel).T
+  with jax.enable_x64(True):
+    for index in (np.asarray(active_rows, np.uint8), np.asarray(active_rows, np.int64),
+                  np.asarray(active_rows, np.uint32).copy()):
+      if index.dtype != np.uint8:
+        index[-1] = np.iinfo(index.dtype).max
+      dx = gathered_dx(dy, kernel, jnp.asarray(index), block_sizes=SMALL_BLOCKS,
+                       interpret=INTERPRET)
+      dw, db = gathered_dw_db(x, dy, jnp.asarray(index), with_bias=True,
+                              block_sizes=SPLIT_BLOCKS, interpret=INTERPRET)
+      assert _relative_error(dx[:5], want_dx) < 1e-5 and np.all(_f64(dx)[5:] == 0)
+      assert _relative_error(dw, _f64(x)[rows].T @ _f64(dy)[rows]) < 1e-5
+      assert _relative_error(db, _f64(dy)[rows].sum(0)) < 1e-5
+  for index in (active_rows.astype(jnp.float32), active_rows.reshape(2, 4)):
+    with pytest.raises(ValueError, match="active_rows must be a 1-D integer index"):
+      gathered_dx(dy, kernel, index, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="active_rows must be a 1-D integer index"):
+      gathered_dw_db(x, dy, index, with_bias=False, interpret=INTERPRET)
+
+
 @pytest.mark.skipif(INTERPRET, reason="needs a GPU with > 10 GB of memory")
 def test_offsets_beyond_int32():
   """Rows whose element offset exceeds 2**31 (arrays over 4 GiB)."""

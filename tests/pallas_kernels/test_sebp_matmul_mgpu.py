@@ -126,7 +126,12 @@ def test_rejects_what_the_kernels_cannot_take():
                        jnp.zeros((64, 128), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32),
                        with_bias=False, interpret=True)
   assert not supports_shapes(128, 128, jnp.float32)
+  assert not supports_shapes(0, 128, jnp.bfloat16) and not supports_shapes(128, 0, jnp.bfloat16)
   assert supports_shapes(768, 3072, jnp.bfloat16)
+  with pytest.raises(ValueError, match="active_rows must be a 1-D integer index"):
+    square = jnp.zeros((128, 128), jnp.bfloat16)
+    kept_rows_backward(square[:64], square, square[:64], jnp.arange(8, dtype=jnp.float32),
+                       with_bias=False, interpret=True)
   with pytest.raises(ValueError, match="copy_rows"):
     MosaicBlockSizes(copy_rows=64, dx=MatmulTiles(block_m=128))
   with pytest.raises(ValueError, match="dx.split_k"):
