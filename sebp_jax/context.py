@@ -43,9 +43,10 @@ _ACTIVE = threading.local()
 #: context the thread is in (None outside one). A function traced and compiled inside one
 #: context is traced again in another, or outside any, instead of running its program there.
 _JIT_KEY = jax.make_user_context(None)
-#: The reports of recent contexts that traced layers, by jit key: a context entered around a
-#: call whose program was compiled under an equal key (so ran exactly its SEBP) takes that
-#: trace's report instead of raising that nothing was swapped.
+#: The reports of recent contexts that traced layers, by jit key, each distinct one once, the
+#: latest last: a context entered around a call whose program was compiled under an equal key
+#: (so ran exactly its SEBP) takes that trace's report instead of raising that nothing was
+#: swapped.
 _TRACED_REPORTS: collections.OrderedDict = collections.OrderedDict()
 _TRACED_REPORTS_SIZE = 1024
 _TRACED_REPORTS_LOCK = threading.Lock()
@@ -308,15 +309,23 @@ class SEBPContext:
       return False
     with _TRACED_REPORTS_LOCK:
       if self.layers_seen:
-        _TRACED_REPORTS[key] = copy.deepcopy(self.report)
-        _TRACED_REPORTS.move_to_end(key)
+        reports = [r for r in _TRACED_REPORTS.pop(key, []) if r != self.report]
+        _TRACED_REPORTS[key] = [*reports, copy.deepcopy(self.report)]
         while len(_TRACED_REPORTS) > _TRACED_REPORTS_SIZE:
           _TRACED_REPORTS.popitem(last=False)
         return False
-      traced = _TRACED_REPORTS.get(key)
-    if traced is None:
+      reports = _TRACED_REPORTS.get(key, [])
+    if not reports:
       return False
-    vars(self.report).update(copy.deepcopy(vars(traced)))
+    if len(reports) > 1:
+      # Two programs (a training step and another function of the model, say) traced in
+      # equal contexts: JAX does not say which of them ran.
+      logger.warning(
+          "use_sebp: no layer was traced in this context; equal contexts traced %d programs "
+          "with different reports, and the report taken is the latest trace's, which need not "
+          "be the program that ran. Enter the context inside the jitted function for a "
+          "report of its own.", len(reports))
+    vars(self.report).update(copy.deepcopy(vars(reports[-1])))
     return True
 
   def shared_output(self, y: jax.Array, active_rows: jax.Array | None) -> jax.Array:

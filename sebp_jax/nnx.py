@@ -129,7 +129,7 @@ def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, ro
   (inputs, kernel, bias), dtype = _promotion(module, (inputs, kernel, bias))
   row_shape = jnp.shape(inputs)[:row_map.row_dims]
   feature_shape = jnp.shape(kernel)[row_map.contracted_dims:]
-  rows = inputs.reshape(*row_shape, -1)
+  rows = inputs.reshape(*row_shape, math.prod(contracted_shape))  # -1 fails on 0 rows.
   matrix = kernel.reshape(-1, math.prod(feature_shape))
   out = sebp_linear(rows, matrix, None if bias is None else bias.reshape(-1),
                     top_n=resolve_top_n(top_n, math.prod(row_shape)), threshold=threshold,

@@ -161,6 +161,33 @@ def test_a_function_compiled_before_is_traced_again_or_loud(tiny_bert):
   assert unseen == report
 
 
+def test_a_cached_call_after_two_programs_of_equal_contexts_warns(caplog):
+  """Two jitted functions traced in equal contexts (the whole model, its first layer only):
+  a later equal context around a cached call cannot tell which program ran; it takes the
+  latest trace's report and says so."""
+  class TwoLayers(nn.Module):
+    @nn.compact
+    def __call__(self, x, first_only=False):
+      x = nn.Dense(4, name="first")(x)
+      return x if first_only else nn.Dense(3, name="second")(x)
+
+  x = jnp.ones((6, 5))
+  params = TwoLayers().init(jax.random.key(0), x)
+  whole = jax.jit(lambda params: TwoLayers().apply(params, x))
+  first = jax.jit(lambda params: TwoLayers().apply(params, x, first_only=True))
+  options = dict(top_n=5, threshold=1.25e-7)  # A key of this test's own.
+  with use_sebp(**options) as traced_whole:
+    whole(params)
+  with use_sebp(**options) as traced_first:
+    first(params)
+  assert traced_whole.swapped == ["first", "second"] and traced_first.swapped == ["first"]
+  assert "need not be the program that ran" not in caplog.text
+  with use_sebp(**options) as cached:
+    whole(params)
+  assert cached == traced_first
+  assert "equal contexts traced 2 programs with different reports" in caplog.text
+
+
 def test_decorator_form_and_grad(tiny_bert):
   ids, mask = _padded_batch(np.random.default_rng(5), 2, 12, 120)
   labels = np.array([1, 0])

@@ -51,6 +51,27 @@ def test_sebp_linear_is_a_drop_in_with_the_reference_backward(use_bias, top_n):
     assert relative_error(d_state["bias"][...], want_db) < 1e-6
 
 
+def test_an_empty_batch_gives_empty_outputs_and_zero_gradients():
+  """A batch of no rows, as `nnx.Linear` takes it: `SEBPLinear` and a `use_sebp` model give
+  its empty outputs and the dense gradients, zero."""
+  x = jnp.ones((0, 7, 3))
+  for top_n in ("auto", 4):
+    layer = sebp_nnx.SEBPLinear(3, 4, top_n=top_n, backend="xla", rngs=nnx.Rngs(0))
+    assert layer(x).shape == (0, 7, 4)
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+
+  def loss(model, sebp):
+    if not sebp:
+      return jnp.sum(model(x))
+    with sebp_nnx.use_sebp(model, backend="xla"):
+      return jnp.sum(model(x))
+
+  want = _grads(model, loss, False)
+  got = _grads(model, loss, True)
+  assert_every_gradient_close(got, want)
+  assert all(not np.any(g) for g in jax.tree.leaves(got))
+
+
 def test_sebp_linear_with_a_small_capacity_drops_as_the_paper_does():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((40, 12)), jnp.float32)
