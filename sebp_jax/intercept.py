@@ -11,8 +11,8 @@ context is traced again inside it, and one traced inside it is traced again outs
 in another context; an equal context runs the program compiled before. Only a program compiled
 ahead of time runs what it was compiled with: the context raises when no layer went through
 it, unless an equal context traced layers before (it then takes that trace's report, which it
-cannot tell from the program's). Entering it inside the function being jitted (or decorating that function with it) gives
-each batch of a traced mask its index with one compile.
+cannot tell from the program's). Entering it inside the function being jitted (or decorating
+that function with it) gives each batch of a traced mask its index with one compile.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ class use_sebp(SEBPContext):
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads
       (:data:`LM_HEAD`) run on those tokens too, as does any Dense on every token after it
       that an ``exclude`` of the user's own does not name. Layers outside (BERT's
-      embeddings, poolers, heads) keep what the other options say. Exact under the conditions of the shared
-      index: the outputs are read at real tokens only. Any mask layout works (left padding,
+      embeddings, poolers, heads) keep what the other options say. Exact under the
+      conditions of the shared index: the outputs are read at real tokens only. Any mask
+      layout works (left padding,
       holes), but a head that reads each row's first column (BERT's pooler) needs a real
       token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real
       tokens than ``top_n`` is never cut: a concrete mask raises at once, and under ``jit``
