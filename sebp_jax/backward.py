@@ -128,12 +128,14 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
     (rows,) = jnp.nonzero(statistics.active, size=size, fill_value=num_rows)
     return (rows.astype(jnp.int32), statistics.active,
             jnp.sum(statistics.active, dtype=jnp.int32), None, None, statistics)
-  # The contract (ascending, then sentinels) is checked where the index is concrete only;
-  # sorted with entries out of [0, T) as sentinels, a traced index that breaks it reads the
-  # same rows in every backend (the kernels follow a sorted count), and a nonzero row it
-  # misses shows as stray.
+  # The contract (strictly ascending, then sentinels) is checked where the index is concrete
+  # only. A traced one that breaks it is made to keep it: sorted, entries out of [0, T) and
+  # repeats as sentinels (the kernels follow a sorted count; a repeat would count twice); a
+  # nonzero row it misses shows as stray.
   rows = jnp.sort(jnp.where((active_rows >= 0) & (active_rows < num_rows), active_rows,
                             num_rows))
+  repeated = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
+  rows = jnp.sort(jnp.where(repeated, num_rows, rows))
   row_max = row_max_abs(dy) if statistics is None else statistics.max_abs
   stray = stray_rows(row_max, rows_mask(rows, num_rows), threshold)
   if statistics is not None:
@@ -257,8 +259,8 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
         poison = _add(poison, overflowed)
         rows = rows[:plan[0]]
       active = None
-  # Rows that a dense backward must zero: those the threshold or the index leaves out.
-  masked = active_rows is not None or threshold > 0
+  # Rows that a dense backward must zero: those the threshold, the index or a drop leaves out.
+  masked = active_rows is not None or threshold > 0 or active is None
 
   def run_at(capacity: int):
     if counted:

@@ -8,6 +8,7 @@ SEBP ops; they serve these classes and the unmodified layers that ``use_sebp`` i
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 
 import flax.linen as nn
@@ -34,8 +35,31 @@ def resolve_top_n(top_n: int | float | str, num_rows: int) -> int | str:
     top_n = float(top_n)
     if not 0.0 < top_n <= 1.0:
       raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
-    return max(1, math.ceil(top_n * num_rows))
+    # The fraction as written: 0.07 of 100 rows is 7, where the float product is 7.000...01.
+    return max(1, math.ceil(fractions.Fraction(repr(top_n)) * num_rows))
   return top_n
+
+
+class KeptFraction(float):
+  """A float ``top_n`` of a layer, the kept fraction, never equal to nor hashed as an int
+  row count (``1.0``, every row, against ``1``, one row): layers that differ there are
+  different static arguments of a jitted step."""
+
+  def __eq__(self, other):
+    return isinstance(other, float) and float(self) == float(other)
+
+  def __ne__(self, other):
+    return not self.__eq__(other)
+
+  def __hash__(self):
+    return hash((KeptFraction, float(self)))
+
+
+def _fraction_as_kept(module: nn.Module) -> None:
+  """In a layer's ``__post_init__``: a float ``top_n`` as a :class:`KeptFraction`."""
+  if isinstance(module.top_n, (float, np.floating)) and not isinstance(module.top_n,
+                                                                     KeptFraction):
+    object.__setattr__(module, "top_n", KeptFraction(module.top_n))
 
 
 def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool = True):
@@ -139,6 +163,10 @@ class SEBPDense(nn.Dense):
   backend: str = dataclasses.field(default="auto", kw_only=True)
   row_log: RowLog | None = dataclasses.field(default=None, kw_only=True)
 
+  def __post_init__(self):
+    _fraction_as_kept(self)
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     """Applies ``inputs @ kernel + bias`` over the last dimension of ``inputs: [..., D]``."""
@@ -165,6 +193,10 @@ class SEBPEmbed(nn.Embed):
   threshold: float = dataclasses.field(default=0.0, kw_only=True)
   overflow: str = dataclasses.field(default="exact", kw_only=True)
   row_log: RowLog | None = dataclasses.field(default=None, kw_only=True)
+
+  def __post_init__(self):
+    _fraction_as_kept(self)
+    super().__post_init__()
 
   def __call__(self, inputs: Array) -> Array:
     """Embeds the integer ``inputs: [...]`` into ``[..., features]``."""

@@ -82,22 +82,24 @@ def validate_active_rows(active_rows: Any, num_rows: int,
 
   The contract: row indices in ``[0, num_rows)``, strictly ascending, then the sentinel
   ``num_rows`` in every unused slot. A concrete index is checked against it; a traced one
-  cannot be: the backward sorts it and drops its entries out of ``[0, num_rows)`` (a nonzero
-  row it then misses makes dW and db NaN, as any row the index skips), and counts a row listed
-  twice twice. With rows split
-  into ``num_shards`` shards, the index is one such block per shard, of its own rows.
+  cannot be: the backward sorts it, counts a row listed twice once and drops entries out of
+  ``[0, num_rows)`` (a nonzero row it then misses makes dW and db NaN, as any row the index
+  skips). With rows split into ``num_shards`` shards, the index is one such block per shard,
+  of its own rows.
   """
   if active_rows is None:
     return None
-  active_rows = jnp.asarray(active_rows)
-  if (active_rows.ndim != 1 or active_rows.size == 0 or active_rows.size % num_shards
-      or not jnp.issubdtype(active_rows.dtype, jnp.integer)):
+  # A concrete index is checked as given: jnp.asarray would wrap int64 entries into int32.
+  traced = isinstance(active_rows, jax.core.Tracer)
+  given = active_rows if traced else np.asarray(active_rows)
+  if (given.ndim != 1 or given.size == 0 or given.size % num_shards
+      or not jnp.issubdtype(given.dtype, jnp.integer)):
     raise ValueError(f"active_rows must be a non-empty 1-D integer array (row indices), "
                      f"one block of equal size per shard ({num_shards}), "
-                     f"got {active_rows.dtype}{list(active_rows.shape)}")
-  if not isinstance(active_rows, jax.core.Tracer):
+                     f"got {given.dtype}{list(given.shape)}")
+  if not traced:
     shard_rows = num_rows // num_shards
-    for rows in np.asarray(active_rows, np.int64).reshape(num_shards, -1):
+    for rows in given.astype(np.int64).reshape(num_shards, -1):
       real = rows[rows != shard_rows]
       if (np.any(rows < 0) or np.any(rows > shard_rows) or np.any(np.diff(real) <= 0)
           or np.any(rows[len(real):] != shard_rows)):
@@ -105,7 +107,7 @@ def validate_active_rows(active_rows: Any, num_rows: int,
             f"active_rows must hold row indices in [0, {shard_rows}) in strictly ascending "
             f"order, then the sentinel {shard_rows} in unused slots"
             f"{' (in each shard)' if num_shards > 1 else ''}, got {rows.tolist()}")
-  return active_rows.astype(jnp.int32)
+  return jnp.asarray(active_rows).astype(jnp.int32)
 
 
 def _check_linear_shapes(x: Array, kernel: Array, bias: Array | None) -> None:

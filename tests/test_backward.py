@@ -206,7 +206,7 @@ def test_dy_is_scored_once_per_backward(options, logged):
   assert _passes_over_rows(jax.make_jaxpr(embed)(dy).jaxpr) == (0 if unselected else 1)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "pallas", "dense"])
 def test_drop_keeps_the_largest_rows(backend):
   x, kernel, dy = _problem(2, num_nonzero=15)
   grads = _backward(x, kernel, dy, top_n=10, overflow="drop", backend=backend)

@@ -1,6 +1,7 @@
 """`SEBPDense` as a drop-in for `flax.linen.Dense` inside Flax models."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -205,12 +206,40 @@ def test_kept_fraction():
   assert resolve_top_n(0.25, 10) == 3
   assert resolve_top_n(1.0, 10) == 10
   assert resolve_top_n(7, 10) == 7
+  assert resolve_top_n(0.07, 100) == 7  # As written, where 0.07 * 100 is 7.000000000000001.
   with pytest.raises(ValueError, match="kept fraction"):
     resolve_top_n(1.5, 10)
   x = jnp.ones((2, 4, 3))
   layer = SEBPDense(2, top_n=0.5)
   params = layer.init(jax.random.key(0), x)
   assert layer.apply(params, x).shape == (2, 4, 2)
+
+
+@pytest.mark.parametrize("layer", [SEBPDense, functools.partial(SEBPEmbed, 12)])
+def test_a_fraction_and_a_row_count_of_equal_value_are_different_layers(layer):
+  """`top_n=1.0` (every row) and `top_n=1` (one row) neither compare nor hash equal, so a
+  jitted step that takes the layer as a static argument compiles each: every row's gradient
+  is the dense one, one row's drops the others."""
+  every, one = layer(4, top_n=1.0, overflow="drop"), layer(4, top_n=1, overflow="drop")
+  assert every != one and hash(every) != hash(one) and every.top_n == 1.0
+  assert layer(4, top_n=0.5) == layer(4, top_n=0.5)
+  rng = np.random.default_rng(9)
+  dense_layer = nn.Dense(4) if layer is SEBPDense else nn.Embed(12, 4)
+  inputs = (jnp.asarray(rng.standard_normal((6, 3)), jnp.float32) if layer is SEBPDense
+            else jnp.asarray(rng.integers(0, 12, 6), jnp.int32))
+  params = dense_layer.init(jax.random.key(0), inputs)
+  weights = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def grads(module, params):
+    return jax.grad(lambda p: jnp.sum(module.apply(p, inputs) * weights))(params)
+
+  want = grads(dense_layer, params)
+  starved = grads(one, params)
+  for got, expected in zip(jax.tree.leaves(grads(every, params)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(starved),
+                                                   jax.tree.leaves(want)))
 
 
 def test_top_n_defaults_to_auto_and_custom_dot_general_is_rejected():

@@ -401,17 +401,23 @@ def test_a_concrete_index_is_checked_against_its_contract(rows, match):
   with pytest.raises(ValueError, match=match):
     sebp_linear(x, kernel, top_n=3, active_rows=jnp.array(rows))
   sebp_linear(x, kernel, top_n=3, active_rows=jnp.array([0, 5, 6]))  # padded: accepted
+  # Checked as given, before jnp narrows int64 entries to int32 (2**32 + 2 would read row 2).
+  for wide in ([1, 2**32 + 2, 6], [1, 2, 2**32 + 6]):
+    with pytest.raises(ValueError, match="in \\[0, 6\\)"):
+      sebp_linear(x, kernel, top_n=3, active_rows=np.array(wide, np.int64))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_a_traced_index_out_of_order_reads_its_rows_in_every_backend(backend):
-  """A traced index cannot be checked: out of order (sentinels first, rows shuffled) and with
-  an entry past T, each backend reads its listed rows (the reference's); an entry below 0 in
-  place of a nonzero row leaves that row out, which makes dW and db NaN."""
+  """A traced index cannot be checked: out of order (sentinels first, rows shuffled), with an
+  entry past T and rows listed twice, each backend reads its listed rows once (the
+  reference's); an entry below 0 in place of a nonzero row leaves that row out, which makes
+  dW and db NaN."""
   rng = np.random.default_rng(31)
   x, kernel, bias, g = _problem(rng, (40,), 6, 5, num_nonzero=8)
   kept = np.flatnonzero(g.any(axis=1))
-  index = np.concatenate([[40, 40, 99], rng.permutation(kept), np.full(13, 40)])
+  index = np.concatenate([[40, 40, 99], rng.permutation(kept), kept[[0, 3, 3]],
+                          np.full(10, 40)])
 
   @jax.jit
   def grads(index, g):
