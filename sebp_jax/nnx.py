@@ -311,8 +311,9 @@ class use_sebp(SEBPContext):
   the einsum layers registered with :func:`register_einsum`, and ``nnx.Embed`` lookups
   (``attend`` stays dense), subclasses included unless they have a ``__call__`` of their own.
   A layer with a custom ``dot_general`` / ``einsum_op`` or ``preferred_element_type``, or
-  called with ``out_sharding``, is left dense. On exit every layer has its class back, with
-  the same Variables: the model is as it was.
+  called with ``out_sharding``, is left dense; these, the subclasses left alone and
+  ``nnx.LinearGeneral`` layers are listed in ``report.skipped`` with the reason. On exit
+  every layer has its class back, with the same Variables: the model is as it was.
 
   Enter it inside the function that is traced (the loss function under ``nnx.grad``), on the
   model that function received. Entered outside ``nnx.jit``, it works too: the swapped
@@ -376,6 +377,14 @@ class use_sebp(SEBPContext):
       if module.num_embeddings == 1:
         return "embed", "one-row embedding (a broadcast, no lookup)"
       return "embed", None
+    # Listed with the reason they stay dense, as the Linen context lists them: a subclass's
+    # own __call__ (LoRALinear, a drop-in) would be lost, and LinearGeneral's axes are not
+    # rows and features.
+    if isinstance(module, nnx.Linear) or (self.embeddings and isinstance(module, nnx.Embed)):
+      return ("linear" if isinstance(module, nnx.Linear) else "embed",
+              "a subclass with its own __call__")
+    if isinstance(module, nnx.LinearGeneral):
+      return "linear", "nnx.LinearGeneral (not swapped)"
     einsum = _einsum_layer(cls)
     if einsum is None:
       return None

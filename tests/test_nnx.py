@@ -347,9 +347,11 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
       self.transposed = nnx.Einsum("BTD,DH->BHT", (8, 4), rngs=rngs)
       self.plain = nnx.Linear(8, 8, rngs=rngs)
       self.sharded = nnx.Linear(8, 8, rngs=rngs)
+      self.lora = nnx.LoRALinear(8, 8, lora_rank=2, rngs=rngs)
+      self.general = nnx.LinearGeneral(8, (2, 4), rngs=rngs)
 
     def __call__(self, x):
-      y = self.plain(self.custom(x))
+      y = self.plain(self.custom(x)) + self.lora(x) + self.general(x).reshape(x.shape)
       return self.sharded(y, out_sharding=None) + jnp.sum(self.transposed(x))
 
   model = Model(nnx.Rngs(0))
@@ -358,6 +360,8 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
     model(x)
   assert report.skipped["custom"] == "custom dot_general (e.g. fp8/quantized)"
   assert "not a linear map of rows" in report.skipped["transposed"]
+  assert report.skipped["lora"] == "a subclass with its own __call__"
+  assert report.skipped["general"] == "nnx.LinearGeneral (not swapped)"
   assert report.swapped == ["plain", "sharded"]
 
 
