@@ -264,7 +264,9 @@ def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
   if arguments.get("encoder_hidden_states") is not None:
     _refuse(family.name, "cross-attention (encoder_hidden_states)")
   layout = checked_against(layout, arguments.get("attention_mask"))
-  arguments[family.tokens_argument] = gather_tokens(arguments[family.tokens_argument], layout)
+  tokens = arguments[family.tokens_argument]
+  arguments[family.tokens_argument] = gather_tokens(
+      tokens, layout, filler="token" if jnp.issubdtype(tokens.dtype, jnp.integer) else "zero")
   if arguments.get("position_ids") is not None:
     positions = jnp.broadcast_to(arguments["position_ids"], layout.batch_shape)
     arguments["position_ids"] = gather_tokens(positions, layout)

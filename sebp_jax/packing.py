@@ -114,6 +114,10 @@ def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
   mask = np.asarray(mask)
   num_tokens = max(1, int(shard_row_counts(mask, num_shards).max()))
   if buckets is not None:
+    if isinstance(buckets, (str, bytes)) or not np.iterable(buckets) or not len(buckets):
+      raise ValueError(f"buckets must be a non-empty tuple of capacities (capacity_buckets), "
+                       f"got {buckets!r}")
+    buckets = tuple(validate_top_n(bucket, "each of buckets") for bucket in buckets)
     fitting = [bucket for bucket in buckets if bucket >= num_tokens]
     if not fitting:
       raise ValueError(f"buckets {tuple(buckets)} hold at most {max(buckets)} tokens, and the "
@@ -366,17 +370,28 @@ def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
   return layout.replace(invalid=invalid)
 
 
-def gather_tokens(x: Array, layout: PackedLayout) -> Array:
-  """``x: [B, L, ...]`` -> ``[1, C, ...]``: the real tokens, filler slots zero."""
+def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Array:
+  """``x: [B, L, ...]`` -> ``[1, C, ...]``: the real tokens, filler slots zero, or
+  (``filler="token"``, for the token ids a model embeds) the batch's first real token's: an
+  id the padded batch reads too, where id 0 may be one it never reads (a non-finite table row
+  would reach the real tokens through attention's zero weights, and every weight gradient
+  through the filler rows' zero cotangents)."""
+  if filler not in ("zero", "token"):
+    raise ValueError(f"filler must be 'zero' or 'token', got {filler!r}")
   batch, length = layout.batch_shape
   if x.shape[:2] != (batch, length):
     raise ValueError(f"packing expected an array of the leading shape {(batch, length)} of "
                      f"active_mask, got {x.shape}")
   if layout.shards is not None:
-    return map_shards(lambda block, x: gather_tokens(x, block), layout, (x,), ("rows",),
-                      "packed")
-  packed = jnp.take(x.reshape(batch * length, *x.shape[2:]), layout.token_rows, axis=0,
-                    mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True)
+    return map_shards(lambda block, x: gather_tokens(x, block, filler=filler), layout, (x,),
+                      ("rows",), "packed")
+  flat = x.reshape(batch * length, *x.shape[2:])
+  packed = jnp.take(flat, layout.token_rows, axis=0, mode="fill", fill_value=0,
+                    indices_are_sorted=True, unique_indices=True)
+  if filler == "token" and flat.shape[0]:
+    real = (layout.token_rows < flat.shape[0]).reshape(-1, *[1] * (x.ndim - 2))
+    first = flat[jnp.minimum(layout.token_rows[0], flat.shape[0] - 1)]
+    packed = jnp.where(real, packed, first)
   return packed[None]
 
 
@@ -617,7 +632,7 @@ def pack_decoder_inputs(input_ids: Array, mask: Array, capacity: int, *,
     raise ValueError(f"positions must be integer token positions of the mask's shape "
                      f"{layout.batch_shape}, got {positions.dtype}{list(positions.shape)}")
   return PackedDecoderInputs(
-      layout=layout, input_ids=gather_tokens(jnp.asarray(input_ids), layout),
+      layout=layout, input_ids=gather_tokens(jnp.asarray(input_ids), layout, filler="token"),
       positions=gather_tokens(positions.astype(jnp.int32), layout),
       attention_mask=attention_mask(layout, causal=True, window=window)[0])
 

@@ -446,6 +446,26 @@ def test_llama_packed_gradients_equal_dense(tiny_llama, attention):
   assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
 
 
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+def test_spare_slots_read_an_id_the_batch_reads(tiny_llama, attention):
+  """Spare slots embed the batch's first real token, not id 0: a table whose row 0 is Inf,
+  an id the batch never reads (padding is id 5), leaves the padded model finite, and so the
+  packed one (0 attention weight times an Inf, and an Inf row of x times a zero dY row, would
+  be NaN)."""
+  rng = np.random.default_rng(19)
+  mask = _mask(rng, "right", min_length=4, max_tokens=BATCH * LENGTH - 8)
+  ids = np.where(mask != 0, rng.integers(6, VOCAB, mask.shape), 5).astype(np.int32)
+  params = jax.tree.map(lambda a: a, tiny_llama.params)
+  table = params["model"]["embed_tokens"]["embedding"]
+  params["model"]["embed_tokens"]["embedding"] = table.at[0].set(jnp.inf)
+  batch = (ids, mask, _positions(mask))
+  want = dense_grad(lm_loss, tiny_llama)(params, *batch)
+  got = packed_grad(lm_loss, tiny_llama, int(mask.sum()) + 8, [], attention=attention)(
+      params, *batch)
+  assert np.isfinite(want[0]) and all(np.isfinite(g).all() for g in jax.tree.leaves(want[1]))
+  assert_matches_dense(got, want)
+
+
 def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
   """Mistral with a window of 3 columns, sequences of 4 to 12 tokens, and the loss over
   masked_causal_lm_loss(capacity=C)."""

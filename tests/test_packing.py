@@ -492,13 +492,20 @@ def test_token_budget_batches_fill_a_fixed_capacity_in_order():
 
 
 def test_capacity_arguments_are_checked():
-  """A multiple, shard count or window that cannot be one raises, naming it."""
+  """A multiple, shard count, bucket or window that cannot be one raises, naming it."""
   mask = np.ones((2, 5))
   for name, value in (("multiple", -3), ("multiple", 2.5), ("multiple", 0), ("num_shards", 0)):
     with pytest.raises(ValueError, match=f"{name} must be a positive"):
       token_capacity(mask, **{name: value})
   with pytest.raises(ValueError, match="largest must be a positive"):
     capacity_buckets(2.5)
+  # A float bucket would come back as the capacity, which use_sebp reads as a kept fraction.
+  for buckets in ((1.0, 64), (0, 64), ("64",)):
+    with pytest.raises(ValueError, match="each of buckets must be a positive"):
+      token_capacity(mask, buckets=buckets)
+  for buckets in ((), 64, "64"):
+    with pytest.raises(ValueError, match="buckets must be a non-empty tuple"):
+      token_capacity(mask, buckets=buckets)
   for window in (-1, 1.5, True):
     with pytest.raises(ValueError, match="window must be None or a non-negative int"):
       pack_decoder_inputs(np.ones((2, 5), np.int32), mask, 16, window=window)
