@@ -7,6 +7,7 @@ distributions.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 
@@ -30,7 +31,8 @@ def write_lengths(name: str, source: str, tokenizer_name: str, texts: list[str],
   return record
 
 
-def main() -> None:
+def main(argv=None) -> None:
+  argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
   write_lengths("wikitext2_valid_sections_smollm2_bpe",
                 "wikitext2 valid, the text between two headings (any level)",
                 "SmolLM2 byte-level BPE (stand-in for the Llama-3.2 tokenizer)",

@@ -188,6 +188,11 @@ def fit(loss_fn: CapacityLossFn, params: dict, train_batches: list[dict],
     return optax.apply_updates(params, updates), opt_state, loss
 
   opt_state = optimizer.init(params)
+  if mesh is not None:
+    # Laid out as the step returns it: a count made on one device would come back replicated
+    # over the mesh, and the step compile again.
+    opt_state = jax.device_put(opt_state, jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), fsdp_specs(opt_state, mesh)))
   losses = []
   progress = tqdm(zip(train_batches, capacities), total=len(train_batches),
                   desc=f"{desc:>5}", unit="step", file=sys.stdout)
@@ -342,4 +347,19 @@ def finish_run(args: argparse.Namespace, loss_fns: dict[str, LossFn], params, ba
   speedup = ratios["forward_backward"]
   save_run(args.out, summary, labels,
            f"{title}: " + (f"gradient {speedup:.2f}x faster" if timings else "not timed"))
+  print_recap(summary)
   return summary
+
+
+def print_recap(summary: dict) -> None:
+  """The run in a few lines at the very end, below the progress bars: each mode's loss (and
+  dev accuracy, where the example scores one), the speedups, the largest loss difference."""
+  print("\nsummary:")
+  for mode, losses in summary["losses"].items():
+    accuracy = summary.get(f"{mode}_dev_accuracy")
+    print(f"  {mode:>5}: {loss_trend(losses, 10)}"
+          + ("" if accuracy is None else f", dev accuracy {accuracy:.2%}"))
+  if summary["gradient_speedup"] is not None:
+    print(f"  dense / SEBP time: gradient {summary['gradient_speedup']:.2f}x, backward "
+          f"{summary['backward_speedup']:.2f}x on {summary['device']}")
+  print(f"  largest per-step loss difference: {summary['max_loss_difference']:.2e}")

@@ -89,7 +89,12 @@ def load_train_batches(tokenizer, args) -> list[dict[str, np.ndarray]]:
   chosen = [paragraphs[i] for i in (order if budget else order[:args.steps * args.batch_size])]
   arrays = encode_fixed_length(tokenizer, chosen, args.max_length)
   if budget:
-    groups = token_budget_batches(arrays["attention_mask"].sum(axis=1), budget, args.batch_size)
+    lengths = arrays["attention_mask"].sum(axis=1)
+    if lengths.max() > budget:
+      raise SystemExit(f"--token-budget {budget} holds fewer tokens than the longest paragraph "
+                       f"({lengths.max()} of --max-length {args.max_length}): give it at "
+                       f"least that, or a smaller --max-length")
+    groups = token_budget_batches(lengths, budget, args.batch_size)
     train_batches = grouped_batches(arrays, groups[:args.steps], args.batch_size)
   else:
     train_batches = list(batches(arrays, args.batch_size))

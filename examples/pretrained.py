@@ -95,15 +95,25 @@ def load_bert_classifier(num_labels: int = 2, seed: int = 0, dtype=jnp.float32):
       tokenizer: ``BertTokenizerFast`` (uncased WordPiece, vocab 30522, pad id 0, adds [CLS]/[SEP]).
   """
   from transformers import FlaxBertForSequenceClassification
+  from transformers.utils import logging as transformers_logging
 
   model_dir = minilm_dir()
-  # from_pt=True reads model.safetensors through transformers' numpy safetensors path: no torch.
-  model = FlaxBertForSequenceClassification.from_pretrained(model_dir,
-                                                            from_pt=True,
-                                                            num_labels=num_labels,
-                                                            seed=seed,
-                                                            dtype=dtype,
-                                                            local_files_only=True)
+  # transformers' notices on loading are all expected here (its Flax classes deprecated in
+  # v5, the checkpoint's unused position ids, a new classifier), and said once below.
+  verbosity = transformers_logging.get_verbosity()
+  transformers_logging.set_verbosity_error()
+  try:
+    # from_pt=True reads model.safetensors through transformers' numpy safetensors path.
+    model = FlaxBertForSequenceClassification.from_pretrained(model_dir,
+                                                              from_pt=True,
+                                                              num_labels=num_labels,
+                                                              seed=seed,
+                                                              dtype=dtype,
+                                                              local_files_only=True)
+  finally:
+    transformers_logging.set_verbosity(verbosity)
+  print(f"loaded all-MiniLM-L6-v2 from {model_dir} with a new {num_labels}-way classifier "
+        f"head (seed {seed})")
   return model, model.params, load_minilm_tokenizer()
 
 

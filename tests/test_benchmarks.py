@@ -437,7 +437,7 @@ def test_the_carried_section_lengths_are_those_of_the_data(tmp_path, monkeypatch
   from benchmarks import token_lengths
   carried = (token_lengths.LENGTHS_DIR / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
   monkeypatch.setattr(token_lengths, "LENGTHS_DIR", tmp_path)
-  token_lengths.main()
+  token_lengths.main([])
   written = (tmp_path / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
   assert json.loads(written) == json.loads(carried)
   lengths = np.asarray(json.loads(written)["lengths"])

@@ -281,6 +281,10 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
   assert len(train_batches) == 20
   for batch in train_batches:
     assert batch["input_ids"].shape == (4, 64) and 0 < batch["attention_mask"].sum() <= 120
+  # A budget under the longest paragraph is a usage error naming the flag, not a traceback.
+  args = finetune_llama.parse_args(["--max-length", "64", "--token-budget", "20"])
+  with pytest.raises(SystemExit, match="--token-budget 20 holds fewer tokens than the longest"):
+    finetune_llama.load_train_batches(tokenizer, args)
 
 
 def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeypatch):
@@ -314,6 +318,9 @@ def test_the_llama_example_trains_on_several_devices_as_on_one(tmp_path, monkeyp
     for mode in ("dense", "sebp"):
       np.testing.assert_allclose(four["losses"][mode], one["losses"][mode], rtol=2e-5)
     assert four["max_loss_difference"] < 1e-5
+    # Once per capacity: the optimizer's state starts as the step returns it.
+    assert four["dense_compiles"] == 1
+    assert four["sebp_compiles"] == len(set(four["capacities"]))
     # A device's capacity holds its fullest shard of 1 row, not the batch's 4.
     assert max(four["capacities"]) < max(one["capacities"])
 
