@@ -134,13 +134,14 @@ def candidate_rows(dy: Array, *, threshold: float, active_rows: Array | None, si
   # nonzero row it misses shows as stray.
   rows = jnp.sort(jnp.where((active_rows >= 0) & (active_rows < num_rows), active_rows,
                             num_rows))
-  repeated = jnp.concatenate([jnp.zeros((1,), bool), rows[1:] == rows[:-1]])
-  rows = jnp.sort(jnp.where(repeated, num_rows, rows))
   row_max = row_max_abs(dy) if statistics is None else statistics.max_abs
   stray = stray_rows(row_max, rows_mask(rows, num_rows), threshold)
+  # Each listed row once (and, where the rows are checked, only the active ones), sorted again
+  # in one pass.
+  kept = jnp.concatenate([jnp.ones((1,), bool), rows[1:] != rows[:-1]])
   if statistics is not None:
-    listed_active = jnp.take(statistics.active, rows, mode="fill", fill_value=False)
-    rows = jnp.sort(jnp.where(listed_active, rows, num_rows))
+    kept &= jnp.take(statistics.active, rows, mode="fill", fill_value=False)
+  rows = jnp.sort(jnp.where(kept, rows, num_rows))
   return (rows, rows_mask(rows, num_rows), jnp.sum(rows < num_rows, dtype=jnp.int32),
           index_poison(row_max, stray), stray, statistics)
 
