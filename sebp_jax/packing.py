@@ -392,7 +392,31 @@ def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Ar
     real = (layout.token_rows < flat.shape[0]).reshape(-1, *[1] * (x.ndim - 2))
     first = flat[jnp.minimum(layout.token_rows[0], flat.shape[0] - 1)]
     packed = jnp.where(real, packed, first)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    packed = _spare_slots_unread(packed, x)
   return packed[None]
+
+
+@jax.custom_vjp
+def _spare_slots_unread(packed: Array, x: Array) -> Array:
+  """``packed: [C, ...]``, gathered from ``x: [B, L, ...]``, as is. The gather's transpose
+  drops the cotangent of the spare slots; a non-finite one there makes ``x``'s cotangent NaN
+  everywhere: a shard without real tokens passes a loss's read of its padding
+  (:func:`_padding_unread`) to the weights through its spare slots only."""
+  del x
+  return packed
+
+
+def _spare_slots_unread_fwd(packed, x):
+  return packed, jnp.zeros_like(x)
+
+
+def _spare_slots_unread_bwd(x_zeros, d_packed):
+  poison = jnp.where(jnp.all(jnp.isfinite(d_packed)), 0, jnp.nan).astype(x_zeros.dtype)
+  return d_packed, x_zeros + poison
+
+
+_spare_slots_unread.defvjp(_spare_slots_unread_fwd, _spare_slots_unread_bwd)
 
 
 def checked_first_tokens(hidden: Array, layout: PackedLayout, host_mask: Any,
@@ -422,22 +446,27 @@ def checked_first_tokens(hidden: Array, layout: PackedLayout, host_mask: Any,
 
 
 @jax.custom_vjp
-def _padding_unread(out: Array, real: Array) -> Array:
-  """``out: [B, L, ...]`` as is; its cotangent comes back NaN everywhere where it is not zero
-  at a position that ``real: bool[B, L]`` calls padding."""
-  del real
+def _padding_unread(out: Array, real: Array, packed: Array) -> Array:
+  """``out: [B, L, ...]`` as is, scattered from ``packed: [C, ...]``; where its cotangent is
+  not zero at a position that ``real: bool[B, L]`` calls padding, the cotangent comes back NaN
+  everywhere, and ``packed``'s NaN at every slot: a shard without real tokens has no slot that
+  the scatter's transpose would read, and its NaN must still reach the weights."""
+  del real, packed
   return out
 
 
-def _padding_unread_fwd(out, real):
-  return out, real
+def _padding_unread_fwd(out, real, packed):
+  return out, (real, jnp.zeros_like(packed))
 
 
-def _padding_unread_bwd(real, d_out):
+def _padding_unread_bwd(residuals, d_out):
+  real, packed_zeros = residuals
   real = real.reshape(real.shape + (1,) * (d_out.ndim - real.ndim))
   # NaN != 0 too: a NaN read only at padding is not dropped either.
   read = jnp.any(~real & (d_out != 0))
-  return d_out + jnp.where(read, jnp.nan, 0).astype(d_out.dtype), None
+  poison = jnp.where(read, jnp.nan, 0)
+  return (d_out + poison.astype(d_out.dtype), None,
+          packed_zeros + poison.astype(packed_zeros.dtype))
 
 
 _padding_unread.defvjp(_padding_unread_fwd, _padding_unread_bwd)
@@ -469,7 +498,7 @@ def scatter_tokens(packed: Array, layout: PackedLayout, *, check_padding: bool =
                                       unique_indices=True)
   out = out.reshape(batch, length, *values.shape[1:])
   if check_padding and jnp.issubdtype(out.dtype, jnp.inexact):
-    return _padding_unread(out, layout.mask)
+    return _padding_unread(out, layout.mask, values)
   return out
 
 

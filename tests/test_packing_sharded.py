@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -217,6 +218,43 @@ def test_capacity_counts_per_shard(models):
       jax.device_put(model.params, NamedSharding(mesh, P())), put(ids), put(mask), put(labels))
   assert np.isnan(loss)
   assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_a_shard_without_real_tokens(models, kind):
+  """A device whose rows are all padding: a loss that leaves them out (weighted 0; masked)
+  gets one device's gradient; one that reads them (their padding was not computed) makes
+  every gradient behind the packed region NaN, as on one device, though the shard has no
+  real token through which the read would reach the weights."""
+  model = models[kind]
+  ids, mask, labels = _batch(7)
+  empty = slice(BATCH // SHARDS, 2 * BATCH // SHARDS)
+  ids[empty], mask[empty] = 0, 0
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  mesh = _mesh()
+  sebp = dict(batch_axes="data", mesh=mesh)
+
+  def loss(params, ids, mask, empty_weight, packed):
+    with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla",
+                  **sebp) if packed else contextlib.nullcontext():
+      out = model(ids, attention_mask=mask, params=params).logits
+    empty_rows = ~jnp.any(mask != 0, axis=1)
+    if kind == "llama":  # Masked, and the empty rows' logits read with that weight.
+      return (masked_causal_lm_loss(out, ids, mask)
+              + empty_weight * jnp.sum(jnp.where(empty_rows, out[:, 0, 0], 0)))
+    weights = jnp.where(empty_rows, empty_weight, 1.0)
+    return jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(out, labels))
+
+  put = lambda a, spec=P("data"): jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(model.params, P()), put(ids), put(mask))
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=4)
+  want = grad(model.params, ids, mask, 0.0, False)
+  got = grad(*args, 0.0, True)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
+  got = grad(*args, 1.0, True)[1]
+  region = got["bert"]["encoder"] if kind == "bert" else got["model"]
+  assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(region))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
