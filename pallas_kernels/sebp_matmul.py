@@ -62,12 +62,16 @@ class BlockSizes:
   num_stages: int = 3
 
   def __post_init__(self):
-    for name in ("block_rows", "block_d", "block_n"):
-      size = getattr(self, name)
-      if size < 16 or size & (size - 1):
-        raise ValueError(f"{name}={size} must be a power of two >= 16")
-    if self.split_rows < 1:
-      raise ValueError(f"split_rows={self.split_rows} must be >= 1")
+    # Triton launches a power-of-two number of warps, at most 32 (1,024 threads).
+    for name, smallest, power_of_two in (
+        ("block_rows", 16, True), ("block_d", 16, True), ("block_n", 16, True),
+        ("split_rows", 1, False), ("num_warps", 1, True), ("num_stages", 1, False)):
+      value = getattr(self, name)
+      if (not isinstance(value, int) or isinstance(value, bool) or value < smallest
+          or (power_of_two and value & (value - 1)) or (name == "num_warps" and value > 32)):
+        kind = "a power of two" if power_of_two else "an int"
+        largest = ", at most 32" if name == "num_warps" else ""
+        raise ValueError(f"{name}={value!r} must be {kind} >= {smallest}{largest}")
 
 
 # Default tiles per layer-shape class, for 2-byte operands (benchmarks/tune_blocks.py
@@ -268,15 +272,17 @@ def _gathered_dw_db_kernel(
   n = dy_ref.shape[1]
   poison_ref, refs = (refs[0], refs[1:]) if with_poison else (None, refs)
   dw_ref, db_ref = refs[0], (refs[1] if len(refs) > 1 else None)
-  # 0 or NaN, the start of every sum: a NaN reaches all of dW and db, even where
-  # no row is selected, at no cost per tile.
-  start = poison_ref[0] if with_poison else jnp.float32(0)
   block_rows, block_d, block_n = (
       block_sizes.block_rows, block_sizes.block_d, block_sizes.block_n)
   d_block, n_block = pl.program_id(0), pl.program_id(1)
   if not d_fastest:
     d_block, n_block = n_block, d_block
   split = pl.program_id(2)
+  # The start of the first split's sums (the splits are added): a NaN reaches all of
+  # dW and db, even where no row is selected, at no cost per tile.
+  start = jnp.float32(0)
+  if with_poison:
+    start = jnp.where(split == 0, poison_ref[0], start)
   d_idx = d_block * block_d + _iota(block_d)
   n_idx = n_block * block_n + _iota(block_n)
   d_in = d_idx < d
@@ -496,9 +502,9 @@ def gathered_dw_db(
     active_rows: ``int32[K]`` selected rows, sorted ascending, padded at the
       end with the sentinel ``T``; sentinel slots contribute nothing.
     with_bias: also return db.
-    poison: optional float32 scalar, 0 or NaN, that every sum starts from, so
-      that a NaN makes all of dW and db NaN at no extra pass (the result of a
-      NaN/Inf check of the rows the kernel does not read).
+    poison: optional float32 scalar that every sum starts from (added once),
+      so that a NaN makes all of dW and db NaN at no extra pass (the result of
+      a NaN/Inf check of the rows the kernel does not read).
     dw_dtype, db_dtype: dtypes of dW and db (None: ``x.dtype``, ``dy.dtype``),
       stored straight from the float32 sums: a caller that wants the sums in
       float32, or in a parameter dtype other than the operands', gets them

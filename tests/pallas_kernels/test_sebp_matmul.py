@@ -128,7 +128,7 @@ def test_gathered_dx_zeros_sentinel_slots_beside_an_inf():
 @pytest.mark.parametrize("num_selected", [33, 0], ids=["rows", "empty"])
 def test_gathered_dw_db_poison(blocks, num_selected):
   """A zero poison changes nothing; a NaN one reaches every element of dW and db, even
-  with no row selected (split partial sums included)."""
+  with no row selected (split partial sums included); any other starts the sums once."""
   rng = np.random.default_rng(13)
   x = _random(rng, (100, 40), jnp.bfloat16)
   dy = _random(rng, (100, 72), jnp.bfloat16)
@@ -142,6 +142,8 @@ def test_gathered_dw_db_poison(blocks, num_selected):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   dw, db = run(poison=jnp.float32(jnp.nan))
   assert np.all(np.isnan(np.asarray(dw))) and np.all(np.isnan(np.asarray(db)))
+  for got, want in zip(run(poison=jnp.float32(0.5)), clean):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want) + 0.5, rtol=1e-6, atol=1e-6)
 
 
 def test_references_match_the_kernels():
@@ -561,3 +563,13 @@ def test_default_tiles_of_large_layers(dtype):
   expected_dw = _f64(x)[rows].T @ _f64(dy)[rows]
   assert _relative_error(dw, expected_dw) < TOLERANCE[dtype]
   assert _relative_error(db, _f64(dy)[rows].sum(0)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("block_rows", 48, "a power of two >= 16"), ("block_n", 8, "a power of two >= 16"),
+    ("block_d", 64.0, "a power of two >= 16"), ("split_rows", 0, "an int >= 1"),
+    ("num_warps", 6, "a power of two >= 1, at most 32"), ("num_warps", 64, "a power of two >= 1, at most 32"),
+    ("num_stages", 0, "an int >= 1"), ("num_stages", True, "an int >= 1")])
+def test_block_sizes_refuse_what_triton_cannot_launch(field, value, expected):
+  with pytest.raises(ValueError, match=f"{field}={value!r} must be {expected}"):
+    BlockSizes(**{field: value})
