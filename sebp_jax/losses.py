@@ -179,6 +179,15 @@ def head_chunk_rows(vocab: int) -> int:
 def _token_ids(ids: jax.Array, name: str) -> jax.Array:
   """``ids`` of an integer dtype, at least 32 bits wide: compared with a vocabulary size, a
   narrower dtype would wrap it (256 is 0 as a uint8)."""
+  if not isinstance(ids, jax.Array):
+    host = np.asarray(ids)
+    if np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize > 4:
+      # A tokenizer's int64 ids become int32 without x64: one past int32's range would wrap
+      # to another id, maybe a valid one. It is out of every vocabulary: -1 says so.
+      info = np.iinfo(np.int32)
+      fits = (host >= info.min) & (host <= info.max)
+      ids = np.where(fits, host, 0).astype(np.int64)
+      ids[~fits] = -1
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
@@ -280,6 +289,7 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
+  weights = jnp.asarray(weights, jnp.float32)
   labels, weights = _labels_in_vocabulary(_token_ids(labels, "labels"), weights,
                                           kernel.shape[-1])
   return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights), chunk,
@@ -309,7 +319,7 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
     # weight is (a NaN weight stays NaN).
     scale = jnp.where(chunk_weights == 0, 0.0, chunk_weights)[:, None]
     logits_grad = scale * (jnp.exp(logits - log_norm[:, None])
-                           - jax.nn.one_hot(chunk_labels, logits.shape[-1]))
+                           - jax.nn.one_hot(chunk_labels, logits.shape[-1], dtype=logits.dtype))
     bias_grad = bias_grad + jnp.sum(logits_grad, axis=0)
     logits_grad = logits_grad.astype(kernel.dtype)
     kernel_grad = kernel_grad + jnp.dot(rows.T, logits_grad, precision=precision,
@@ -324,17 +334,23 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
       chunk_step, tuple(start), chunks)
   num_rows = inputs.shape[0]
   inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:num_rows]
-  # The gradients of a unit cotangent, in each input's dtype; the backward scales them.
-  grads = (inputs_grad, kernel_grad.astype(kernel.dtype),
-           None if bias is None else bias_grad.astype(bias.dtype),
+  # The gradients of a unit cotangent, in each input's dtype; the backward scales them. The
+  # kernel's and bias's sum over the rows: kept divided by the weights' sum (a mean loss's
+  # scale), whose sum of thousands of rows would pass float16's range where the mean's does
+  # not.
+  weight_sum = jnp.sum(jnp.abs(weights))
+  unit = jnp.where(weight_sum > 0, weight_sum, 1.0)
+  grads = (inputs_grad, (kernel_grad / unit).astype(kernel.dtype),
+           None if bias is None else (bias_grad / unit).astype(bias.dtype),
            row_loss.reshape(-1)[:num_rows].astype(weights.dtype))
-  return total, (grads, labels)
+  return total, (grads, labels, unit)
 
 
 def _linear_cross_entropy_bwd(chunk, precision, residuals, total_grad):
-  grads, labels = residuals
+  grads, labels, unit = residuals
+  scales = (total_grad, total_grad * unit, total_grad * unit, total_grad)
   inputs_grad, kernel_grad, bias_grad, weights_grad = (
-      None if g is None else (total_grad * g).astype(g.dtype) for g in grads)
+      None if g is None else (scale * g).astype(g.dtype) for g, scale in zip(grads, scales))
   return (inputs_grad, kernel_grad, bias_grad, np.zeros(labels.shape, jax.dtypes.float0),
           weights_grad)
 

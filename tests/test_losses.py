@@ -236,6 +236,65 @@ def test_linear_cross_entropy_labels_out_of_the_vocabulary_and_the_weights_gradi
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_linear_cross_entropy_float16_sums_the_kernel_gradient_within_range():
+  """A mean over 4,096 rows of features about 60 in float16: the kernel's gradient summed over
+  the rows passes float16's range where the mean's does not; it stays finite, as jax.grad of
+  the unchunked float16 head gives it, and equal to float64."""
+  rng = np.random.default_rng(11)
+  rows, features, vocab = 4096, 8, 16
+  inputs = jnp.asarray(56 + 8 * np.abs(rng.normal(size=(rows, features))), jnp.float16)
+  kernel = jnp.asarray(rng.normal(size=(features, vocab)) / 1000, jnp.float16)
+  labels = rng.integers(0, vocab, rows).astype(np.int32)
+  labels[: rows // 2] = 3
+  weights = np.ones(rows, np.float32)
+  mean = lambda kernel: linear_cross_entropy(inputs, kernel, None, labels, weights,
+                                             chunk=512) / rows
+  got = np.asarray(jax.grad(mean)(kernel), np.float64)
+  want = _head_reference(inputs, kernel, None, labels, weights)[2] / rows
+  assert np.abs(want).max() > 20 and np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=0.01, atol=0.01 * np.abs(want).max())
+
+
+def test_linear_cross_entropy_takes_float64_under_x64():
+  """float64 inputs and weights (jax_enable_x64): the value and gradients of float64, where
+  the scan's float32 sums once refused the float64 weights."""
+  rng = np.random.default_rng(13)
+  inputs, kernel = rng.normal(size=(10, 6)), rng.normal(size=(6, 9))
+  labels, weights = rng.integers(0, 9, 10), rng.uniform(0.5, 2.0, 10)
+  with jax.enable_x64(True):
+    value, grads = jax.value_and_grad(
+        lambda i, k: linear_cross_entropy(i, k, None, labels, weights, chunk=4), (0, 1))(
+            jnp.asarray(inputs), jnp.asarray(kernel))
+  want = _head_reference(inputs, kernel, None, labels, weights)
+  np.testing.assert_allclose(value, want[0], rtol=1e-6)
+  for got, expected in zip(grads, want[1:3]):
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_wide_host_ids_past_int32_are_out_of_the_vocabulary():
+  """int64 ids from the host (a tokenizer's), narrowed to int32 without x64: an id of
+  2**32 + 7 at a real target is out of the vocabulary (the loss and gradients NaN), not id 7;
+  at padding it is ignored, as any id."""
+  rng = np.random.default_rng(12)
+  logits = jnp.asarray(rng.standard_normal((2, 5, 11)), jnp.float32)
+  mask = (np.arange(5)[None] < np.array([[5], [3]])).astype(np.int32)
+  ids = rng.integers(0, 11, size=(2, 5)).astype(np.int64)
+  want = _reference(logits, ids, mask)
+  for capacity in (None, 8):
+    loss = functools.partial(masked_causal_lm_loss, capacity=capacity)
+    wide = ids.copy()
+    wide[1, 4] = 2**32 + 7  # padding
+    np.testing.assert_allclose(loss(logits, wide, mask), want, rtol=1e-6)
+    wide[0, 2] = 2**32 + int(ids[0, 2])  # a real target
+    value, grad = jax.value_and_grad(loss)(logits, wide, mask)
+    assert np.isnan(value) and np.isnan(np.asarray(grad)).any()
+  inputs = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(6, 11)), jnp.float32)
+  labels = np.array([1, 2**33 + 1, 3, 4], np.uint64)
+  value = linear_cross_entropy(inputs, kernel, None, labels, np.ones(4, np.float32), chunk=2)
+  assert np.isnan(value)
+
+
 def test_a_mask_of_other_values_than_zero_and_one_raises():
   logits = jnp.zeros((1, 4, 5))
   ids = jnp.ones((1, 4), jnp.int32)
