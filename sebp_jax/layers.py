@@ -32,12 +32,18 @@ def resolve_top_n(top_n: int | float | str, num_rows: int) -> int | str:
   of the rows. All are static: fractions resolve from array shapes, never from data.
   """
   if isinstance(top_n, (float, np.floating)):
-    top_n = float(top_n)
+    top_n = _as_written(top_n)
     if not 0.0 < top_n <= 1.0:
       raise ValueError(f"top_n as a kept fraction must lie in (0, 1], got {top_n}")
     # The fraction as written: 0.07 of 100 rows is 7, where the float product is 7.000...01.
     return max(1, math.ceil(fractions.Fraction(repr(top_n)) * num_rows))
   return top_n
+
+
+def _as_written(fraction: float | np.floating) -> float:
+  """The Python float of ``fraction`` as written: numpy's str of its scalar is
+  (``np.float32(0.07)`` is 0.07000000029... as a float)."""
+  return float(str(fraction)) if isinstance(fraction, np.floating) else float(fraction)
 
 
 class KeptFraction(float):
@@ -59,7 +65,7 @@ def _fraction_as_kept(module: nn.Module) -> None:
   """In a layer's ``__post_init__``: a float ``top_n`` as a :class:`KeptFraction`."""
   if isinstance(module.top_n, (float, np.floating)) and not isinstance(module.top_n,
                                                                      KeptFraction):
-    object.__setattr__(module, "top_n", KeptFraction(module.top_n))
+    object.__setattr__(module, "top_n", KeptFraction(_as_written(module.top_n)))
 
 
 def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool = True):

@@ -6,7 +6,8 @@ turns dY, flattened to ``[T, N]``, into a static-size index set ``active_rows: i
 * a row is *active* when its largest ``|value|`` exceeds ``threshold`` (``0.0``: any non-zero);
 * a row holding NaN or Inf is always active and ranks first, so a broken gradient stays visible
   instead of being dropped as "inactive";
-* when more than ``top_n`` rows are active, the ``top_n`` with the largest L2 norm are kept;
+* when more than ``top_n`` rows are active, the ``top_n`` with the largest L2 norm are kept
+  (:func:`score_dtype` says where float32 scores stop telling norms apart);
 * the kept indices are sorted ascending and padded at the end with the out-of-range sentinel
   ``T``. Padding with a valid index (``jnp.nonzero``'s default 0) would count a row twice in dW.
 
@@ -37,7 +38,9 @@ Array = jax.Array
 
 def score_dtype(dtype) -> jnp.dtype:
   """The dtype rows of dY of ``dtype`` are scored in: float32 for 16-bit and float32 dY,
-  float64 for float64 (complex: of the magnitudes), so that no non-zero row scores zero."""
+  float64 for float64 (complex: of the magnitudes). A row's squared norm in float32 holds
+  values of about 1e-19 to 1e19: a smaller non-zero row scores 0 (still active, ranked below
+  every larger one), a larger one the dtype's largest (ranked above them, in row order)."""
   return jnp.promote_types(jnp.finfo(dtype).dtype, jnp.float32)
 
 
@@ -96,11 +99,12 @@ def row_statistics(dy: Array, threshold: float) -> RowStatistics:
   magnitudes = row_magnitudes(dy)
   squared_norm = jnp.sum(magnitudes * magnitudes, axis=-1)
   max_abs = jnp.max(magnitudes, axis=-1, initial=0)
-  # A NaN anywhere makes the squared norm NaN, an Inf makes it Inf (as does a finite row whose
-  # squares overflow the score dtype: it is huge, so ranking it first is right as well).
-  finite = jnp.isfinite(squared_norm)
+  # max propagates NaN. A row holding NaN or Inf scores Inf, above every finite row, that one
+  # whose squares overflow the score dtype included: that one scores the dtype's largest.
+  finite = jnp.isfinite(max_abs)
   active = (max_abs > threshold_below(threshold, max_abs.dtype)) | ~finite
-  scores = jnp.where(finite, squared_norm, jnp.inf)
+  largest = jnp.finfo(squared_norm.dtype).max
+  scores = jnp.where(finite, jnp.minimum(squared_norm, largest), jnp.inf)
   scores = jnp.where(active, scores, -1.0)
   return RowStatistics(scores, active, max_abs, squared_norm)
 

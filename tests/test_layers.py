@@ -207,6 +207,9 @@ def test_kept_fraction():
   assert resolve_top_n(1.0, 10) == 10
   assert resolve_top_n(7, 10) == 7
   assert resolve_top_n(0.07, 100) == 7  # As written, where 0.07 * 100 is 7.000000000000001.
+  for fraction in (np.float32(0.07), np.float16(0.07), np.float64(0.07)):
+    assert resolve_top_n(fraction, 100) == 7
+    assert resolve_top_n(SEBPDense(2, top_n=fraction).top_n, 100) == 7
   with pytest.raises(ValueError, match="kept fraction"):
     resolve_top_n(1.5, 10)
   x = jnp.ones((2, 4, 3))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sebp_jax import active_rows_from_mask, row_scores, select_active_rows
+from sebp_jax import active_rows_from_mask, row_scores, sebp_linear, select_active_rows
 from tests.reference import random_sparse_rows, reference_active_rows
 
 
@@ -69,6 +69,22 @@ def test_non_finite_rows_are_active_and_rank_first(bad):
   active_rows = select_active_rows(jnp.asarray(dy), 4)
   assert zero_row in _kept(active_rows, 32)
   np.testing.assert_array_equal(_kept(active_rows, 32), reference_active_rows(dy, 4))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_row_ranks_above_a_finite_row_whose_squares_overflow(dtype, bad):
+  """Rows of 1e20 square past float32's range: they rank after a NaN or Inf row, which
+  "drop" keeps (its gradients not finite), not dropped on a tie in row order."""
+  dy = np.zeros((16, 4), np.float32)
+  dy[0], dy[1], dy[5, 2], dy[7] = 1e20, 3e20, bad, 1.0
+  dy = jnp.asarray(dy, dtype)
+  np.testing.assert_array_equal(select_active_rows(dy, 1), [5])
+  np.testing.assert_array_equal(select_active_rows(dy, 3), [0, 1, 5])
+  x, kernel = jnp.ones((16, 3), dtype), jnp.ones((3, 4), dtype)
+  grads = jax.vjp(lambda x, kernel: sebp_linear(x, kernel, top_n=1, overflow="drop"),
+                  x, kernel)[1](dy)
+  assert all(not np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
 def test_scores():
