@@ -474,7 +474,9 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
       device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
       :func:`~sebp_jax.losses.masked_causal_lm_loss`). Each device's loss weighs by its share,
-      so that the value and the gradient are those of the whole batch on one device.
+      so that the value and the gradient are those of the whole batch on one device. A device
+      of weight 0 (rows all padding) must still get a finite loss: a mean that divides by its
+      count of 0 is NaN there, and NaN times its share of 0 makes every gradient NaN.
     gather_dtype: the dtype a split floating parameter is gathered in, the compute dtype it is
       cast to anyway (bfloat16 for float32 weights used in bfloat16: half the bytes both
       ways), or None (its own).
@@ -571,27 +573,42 @@ _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+(?:e\d+m\d+[a-z]*)?|c64|c128)\[([\d,]
 _BITS = {"pred": 8, "bf16": 16}
 
 
-def _result_type(type_text: str, started: bool) -> str:
-  """The result part of an HLO collective's type: an async start's type is a tuple whose last
-  element is the result."""
-  if not started:
+def _tuple_elements(type_text: str) -> list[str]:
+  """The elements of an HLO tuple type ``(a, b, ...)``; a type that is no tuple, as is."""
+  if not type_text.startswith("("):
+    return [type_text]
+  elements, depth, start = [], 0, 1
+  for position, char in enumerate(type_text):
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+    if (char == "," and depth == 1) or (char == ")" and depth == 0):
+      elements.append(type_text[start:position].strip())
+      start = position + 1
+  return elements
+
+
+def _result_type(type_text: str, kind: str, started: bool) -> str:
+  """The result part of an HLO collective's type. An async start's type holds it: the whole
+  type for ``all-reduce-start`` (its results), the last element for ``all-gather-start``
+  ``(operands, results)``, the second for ``collective-permute-start`` ``(operand, result,
+  contexts)``."""
+  if not started or kind == "all-reduce":
     return type_text
-  depth = 0
-  for position in range(len(type_text) - 1, -1, -1):
-    depth += {")": 1, "]": 1, "}": 1, "(": -1, "[": -1, "{": -1}.get(type_text[position], 0)
-    if type_text[position] == "," and depth == 1:
-      return type_text[position + 1:]
-  return type_text
+  elements = _tuple_elements(type_text)
+  return elements[1] if kind == "collective-permute" and len(elements) > 1 else elements[-1]
 
 
 def collective_sizes(compiled: Any) -> list[tuple[str, int]]:
   """``(kind, bytes of its result)`` of each collective of a compiled program
   (``jax.jit(f).lower(...).compile()``), a combined one once: what crosses devices, one by
-  one (an FSDP step's gathered weights, say)."""
+  one (an FSDP step's gathered weights, say). A lowered program, not yet compiled, has no
+  collectives yet (XLA places them): ValueError."""
+  if isinstance(compiled, jax.stages.Lowered):
+    raise ValueError("collective_sizes needs a compiled program (.lower(...).compile()): a "
+                     "lowered one has no collectives yet, XLA's partitioner places them")
   found = []
   for type_text, kind, started in _COLLECTIVE.findall(compiled.as_text()):
     size = 0
-    for dtype, dims in _ARRAY.findall(_result_type(type_text, bool(started))):
+    for dtype, dims in _ARRAY.findall(_result_type(type_text, kind, bool(started))):
       bits = _BITS.get(dtype) or int(re.match(r"[a-z]+(\d+)", dtype)[1])
       size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
     found.append((kind, size))

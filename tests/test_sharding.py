@@ -677,7 +677,7 @@ def test_fsdp_loss_looks_a_table_up_in_place_through_its_own_promote_dtype():
     np.testing.assert_array_equal(got[1]["embedding"], want[1]["embedding"])
 
 
-def test_collective_sizes_read_every_element_type():
+def test_collective_sizes_read_every_element_type_and_async_start():
   """The bytes of a collective's result in each XLA element type, complex and 8- and 4-bit
   floats and ints included."""
   class Compiled:
@@ -691,9 +691,24 @@ def test_collective_sizes_read_every_element_type():
                         ("f8e4m3fn", 1), ("f8e5m2", 1), ("s4", 0.5), ("u8", 1), ("f64", 8)]:
     hlo = (f"  %g = {element}[16,8]{{1,0}} all-gather({element}[4,8]{{1,0}} %p), "
            f"dimensions={{0}}\n"
-           f"  %s = ((f32[4]{{0}}), {element}[2,4]{{1,0}}) all-reduce-start(%q)\n")
+           f"  %s = ((f32[4]{{0}}), {element}[2,4]{{1,0}}) all-gather-start(%q)\n"
+           f"  %r = {element}[2,4]{{1,0}} all-reduce-start({element}[2,4]{{1,0}} %q)\n")
     assert collective_sizes(Compiled(hlo)) == [("all-gather", int(128 * size)),
+                                                ("all-gather", int(8 * size)),
                                                 ("all-reduce", int(8 * size))], element
+  # Async starts as XLA writes them: all-reduce-start's type is its results (a combined one's
+  # tuple), all-gather-start's (operands, results), collective-permute-start's (operand,
+  # result, contexts).
+  hlo = ("  %a = (f32[1024]{0}, bf16[64,64]{1,0}) all-reduce-start(f32[1024]{0} %p, "
+         "bf16[64,64]{1,0} %q), to_apply=%add\n"
+         "  %b = ((f32[4]{0}, bf16[2,3]{1,0}), (f32[16]{0}, bf16[8,3]{1,0})) "
+         "all-gather-start(f32[4]{0} %p, bf16[2,3]{1,0} %q), dimensions={0}\n"
+         "  %c = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} %p)\n")
+  assert collective_sizes(Compiled(hlo)) == [
+      ("all-reduce", 4096 + 8192), ("all-gather", 64 + 48), ("collective-permute", 32)]
+  lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
+  with pytest.raises(ValueError, match="needs a compiled program"):
+    collective_counts(lowered)
 
 
 @pytest.mark.parametrize("x_spec,kernel_spec,bias_spec", [
