@@ -52,6 +52,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
 from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
+from sebp_jax.selection import validate_top_n
 
 logger = logging.getLogger("sebp_jax")
 
@@ -540,8 +541,8 @@ def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",
   devices = _mesh_axis_size(mesh, axis)
   if isinstance(heads, str):
     raise ValueError(f"heads must be a tuple of module names, got the string {heads!r}")
-  if head_rows is not None and head_rows <= 0:
-    raise ValueError(f"head_rows must be a positive int or None, got {head_rows!r}")
+  if head_rows is not None:
+    head_rows = validate_top_n(head_rows, "head_rows")
 
   def spec(path, param):
     if isinstance(param, nn.Partitioned):  # nn.with_partitioning's box: its value's spec.

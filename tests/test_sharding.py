@@ -877,8 +877,9 @@ def test_fsdp_specs_split_matrices_by_rows_and_a_head_by_its_vocabulary_where_th
   assert adam.count == P() and adam.mu == adam.nu == by_vocabulary
   with pytest.raises(ValueError, match="axis='model' is not an axis of the mesh"):
     fsdp_specs(params, mesh, axis="model")
-  with pytest.raises(ValueError, match="head_rows must be a positive int or None, got 0"):
-    fsdp_specs(params, mesh, head_rows=0)
+  for bad in (0, True, 0.5):
+    with pytest.raises(ValueError, match="head_rows must be a positive Python int"):
+      fsdp_specs(params, mesh, head_rows=bad)
   with pytest.raises(ValueError, match="heads must be a tuple of module names, got the string"):
     fsdp_specs(params, mesh, heads="lm_head")
 
