@@ -220,29 +220,42 @@ def test_capacity_counts_per_shard(models):
   assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))
 
 
-@pytest.mark.parametrize("kind", ["bert", "llama"])
-def test_a_shard_without_real_tokens(models, kind):
+def _batch_with_an_empty_shard(seed):
+  ids, mask, labels = _batch(seed)
+  empty = slice(BATCH // SHARDS, 2 * BATCH // SHARDS)
+  ids[empty], mask[empty] = 0, 0
+  return ids, mask, labels
+
+
+def _empty_rows_read(logits, ids, mask, empty_weight):
+  """The masked causal-LM loss, and the logits of the rows without real tokens read with
+  ``empty_weight``."""
+  empty_rows = ~jnp.any(mask != 0, axis=1)
+  return (masked_causal_lm_loss(logits, ids, mask)
+          + empty_weight * jnp.sum(jnp.where(empty_rows, logits[:, 0, 0], 0)))
+
+
+@pytest.mark.parametrize("kind,attention", [("bert", "rows"), ("llama", "rows"),
+                                            ("llama", "mask")])
+def test_a_shard_without_real_tokens(models, kind, attention):
   """A device whose rows are all padding: a loss that leaves them out (weighted 0; masked)
   gets one device's gradient; one that reads them (their padding was not computed) makes
   every gradient behind the packed region NaN, as on one device, though the shard has no
-  real token through which the read would reach the weights."""
+  real token through which the read would reach the weights (its spare slots carry it,
+  through the row attention too)."""
   model = models[kind]
-  ids, mask, labels = _batch(7)
-  empty = slice(BATCH // SHARDS, 2 * BATCH // SHARDS)
-  ids[empty], mask[empty] = 0, 0
+  ids, mask, labels = _batch_with_an_empty_shard(7)
   capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
   mesh = _mesh()
-  sebp = dict(batch_axes="data", mesh=mesh)
+  sebp = dict(batch_axes="data", mesh=mesh, attention=attention)
 
   def loss(params, ids, mask, empty_weight, packed):
     with use_sebp(top_n=capacity, active_mask=mask, packed=True, backend="xla",
                   **sebp) if packed else contextlib.nullcontext():
       out = model(ids, attention_mask=mask, params=params).logits
-    empty_rows = ~jnp.any(mask != 0, axis=1)
-    if kind == "llama":  # Masked, and the empty rows' logits read with that weight.
-      return (masked_causal_lm_loss(out, ids, mask)
-              + empty_weight * jnp.sum(jnp.where(empty_rows, out[:, 0, 0], 0)))
-    weights = jnp.where(empty_rows, empty_weight, 1.0)
+    if kind == "llama":
+      return _empty_rows_read(out, ids, mask, empty_weight)
+    weights = jnp.where(jnp.any(mask != 0, axis=1), 1.0, empty_weight)
     return jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(out, labels))
 
   put = lambda a, spec=P("data"): jax.device_put(a, NamedSharding(mesh, spec))
@@ -427,7 +440,7 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
 def test_nnx_decoder_inputs_packed_per_shard():
   """Tunix's NNX Llama on inputs packed per shard (`pack_decoder_inputs(batch_axes=)`), its
   attention per sequence on each device: one device's dense gradient, and the dense step's
-  collectives."""
+  collectives; a shard without real tokens as in test_a_shard_without_real_tokens."""
   from flax import nnx
 
   from examples.pretrained import tunix_logits
@@ -468,3 +481,23 @@ def test_nnx_decoder_inputs_packed_per_shard():
   np.testing.assert_allclose(np.asarray(own_attention(*args))[real],
                              np.asarray(tunix_logits(model, ids, mask))[real],
                              rtol=1e-5, atol=1e-5)
+
+  # A shard without real tokens: exact where the loss leaves it out, every gradient NaN
+  # where it reads its logits.
+  ids, mask, _ = _batch_with_an_empty_shard(7)
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+
+  def read_empty(params, ids, mask, empty_weight, packed):
+    model = nnx.merge(graphdef, params)
+    sharding = dict(batch_axes="data", mesh=mesh) if packed else {}
+    logits = tunix_logits(model, ids, mask, capacity=capacity if packed else None,
+                          attention="rows", **sharding)
+    return _empty_rows_read(logits, ids, mask, empty_weight)
+
+  want = jax.value_and_grad(read_empty)(params, ids, mask, 0.0, False)
+  args = (put(params, P()), put(ids, P("data")), put(mask, P("data")))
+  packed = jax.jit(jax.value_and_grad(functools.partial(read_empty, packed=True)))
+  got = packed(*args, 0.0)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
+  assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(packed(*args, 1.0)[1]))
