@@ -398,23 +398,22 @@ def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Ar
 
 
 @jax.custom_vjp
-def _spare_slots_unread(packed: Array, sources: Any) -> Array:
-  """``packed: [..., C, ...]``, made from ``sources`` (arrays) by a gather that drops the
-  cotangent of its spare slots, as is; a non-finite cotangent there makes every source's
-  cotangent NaN everywhere: a shard without real tokens passes a loss's read of its padding
+def _spare_slots_unread(packed: Array, x: Array) -> Array:
+  """``packed: [C, ...]``, gathered from ``x: [B, L, ...]``, as is. The gather's transpose
+  drops the cotangent of the spare slots; a non-finite one there makes ``x``'s cotangent NaN
+  everywhere: a shard without real tokens passes a loss's read of its padding
   (:func:`_padding_unread`) to the weights through its spare slots only."""
-  del sources
+  del x
   return packed
 
 
-def _spare_slots_unread_fwd(packed, sources):
-  return packed, jax.tree.map(jnp.zeros_like, sources)
+def _spare_slots_unread_fwd(packed, x):
+  return packed, jnp.zeros_like(x)
 
 
-def _spare_slots_unread_bwd(source_zeros, d_packed):
-  poison = jnp.where(jnp.all(jnp.isfinite(d_packed)), 0, jnp.nan)
-  return d_packed, jax.tree.map(lambda zeros: zeros + poison.astype(zeros.dtype),
-                                source_zeros)
+def _spare_slots_unread_bwd(x_zeros, d_packed):
+  poison = jnp.where(jnp.all(jnp.isfinite(d_packed)), 0, jnp.nan).astype(x_zeros.dtype)
+  return d_packed, x_zeros + poison
 
 
 _spare_slots_unread.defvjp(_spare_slots_unread_fwd, _spare_slots_unread_bwd)
@@ -772,7 +771,7 @@ def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, 
       implementation=implementation or fused_attention_implementation(query_rows))
   out = jnp.take(out.reshape(batch * width, *out.shape[2:]), slots, axis=0, mode="fill",
                  fill_value=0, indices_are_sorted=True, unique_indices=True)
-  return _spare_slots_unread(out, (query, key, value))[None]
+  return out[None]
 
 
 def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,

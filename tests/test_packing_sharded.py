@@ -235,14 +235,25 @@ def _empty_rows_read(logits, ids, mask, empty_weight):
           + empty_weight * jnp.sum(jnp.where(empty_rows, logits[:, 0, 0], 0)))
 
 
+def _nan_but_row_attention_inputs(grads, attention: str, spared: tuple[str, ...]):
+  """Every gradient has NaN but, with the row attention (whose spare slots are in no row: a
+  NaN there reaches no query, key or value, and checking for one cost 0.5-0.9% of the packed
+  step), those of the modules named in ``spared``: the attention's projections, and a norm
+  that feeds them only."""
+  for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+    name = jax.tree_util.keystr(path)
+    finite = attention == "rows" and any(f"'{part}'" in name for part in spared)
+    assert finite != np.isnan(np.asarray(grad)).any(), name
+
+
 @pytest.mark.parametrize("kind,attention", [("bert", "rows"), ("llama", "rows"),
                                             ("llama", "mask")])
 def test_a_shard_without_real_tokens(models, kind, attention):
   """A device whose rows are all padding: a loss that leaves them out (weighted 0; masked)
   gets one device's gradient; one that reads them (their padding was not computed) makes
-  every gradient behind the packed region NaN, as on one device, though the shard has no
-  real token through which the read would reach the weights (its spare slots carry it,
-  through the row attention too)."""
+  the gradients behind the packed region NaN, as on one device, though the shard has no
+  real token through which the read would reach the weights: its spare slots carry it, but
+  for the row attention's query, key and value (:func:`_nan_but_row_attention_inputs`)."""
   model = models[kind]
   ids, mask, labels = _batch_with_an_empty_shard(7)
   capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
@@ -267,7 +278,8 @@ def test_a_shard_without_real_tokens(models, kind, attention):
   assert_every_gradient_close(got[1], want[1], rtol=2e-5)
   got = grad(*args, 1.0, True)[1]
   region = got["bert"]["encoder"] if kind == "bert" else got["model"]
-  assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(region))
+  _nan_but_row_attention_inputs(region, attention, ("query", "key", "value") if kind == "bert"
+                                else ("q_proj", "k_proj", "v_proj", "input_layernorm"))
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
@@ -500,4 +512,5 @@ def test_nnx_decoder_inputs_packed_per_shard():
   got = packed(*args, 0.0)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   assert_every_gradient_close(got[1], want[1], rtol=2e-5)
-  assert all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(packed(*args, 1.0)[1]))
+  _nan_but_row_attention_inputs(packed(*args, 1.0)[1], "rows",
+                                ("q_proj", "k_proj", "v_proj", "input_layernorm"))
