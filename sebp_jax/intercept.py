@@ -320,10 +320,11 @@ class use_sebp(SEBPContext):
     # classifier, QA's qa_outputs) acts row by row: it runs on the packed rows, and a loss
     # that reads its outputs at padding, which packing did not compute, makes its gradients
     # NaN too (scatter_tokens), not only the region's. A model packing does not know (Bart,
-    # T5) has no packed region. One that the user's exclude names runs as it is: it may not
-    # read the region's outputs at all.
+    # T5) has no packed region. One that the user's exclude names, or a subclass with its own
+    # __call__ (which may read positions), runs as it is: it may not read the region's
+    # outputs at all.
     if (self._packed_family is not None and isinstance(module, nn.Dense) and module.path
-        and not self.excluded_by_user(path)):
+        and type(module).__call__ is nn.Dense.__call__ and not self.excluded_by_user(path)):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
         record(self.report.packed, path)
@@ -358,8 +359,12 @@ class use_sebp(SEBPContext):
         return out
     module = context.module
     is_dense = isinstance(module, nn.Dense)
-    is_embed = self.embeddings and isinstance(module, nn.Embed)
+    is_embed = isinstance(module, nn.Embed)
     if context.method_name != "__call__" or not (is_dense or is_embed):
+      return next_fun(*args, **kwargs)
+    if is_embed and not self.embeddings:
+      if not isinstance(module, SEBPEmbed):
+        self.report.skipped[module_path(module)] = "embeddings=False"
       return next_fun(*args, **kwargs)
     self.layers_seen += 1
     path = module_path(module)

@@ -111,6 +111,7 @@ def test_default_selection_and_report(tiny_bert, tiny_llama):
   with use_sebp(top_n=4, embeddings=False) as report:
     trace(tiny_llama)
   assert report.num_swapped == 2 * 7 and not report.embeddings
+  assert report.skipped["model/embed_tokens"] == "embeddings=False"
   with use_sebp(top_n=4, exclude=r"embed_tokens|lm_head") as report:
     trace(tiny_llama)
   assert not report.embeddings and "model/embed_tokens" in report.skipped

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                          FlaxBertForTokenClassification, FlaxLlamaForCausalLM,
+                          FlaxBertForTokenClassification, FlaxBertModel, FlaxLlamaForCausalLM,
                           FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
                           LlamaConfig, MistralConfig, RobertaConfig)
 
@@ -212,6 +212,49 @@ def test_a_token_classifier_runs_on_the_packed_rows():
   assert np.isfinite(value)  # the zeros it read: the gradients say what they cost
   assert all(np.isnan(g).all() for g in jax.tree.leaves(grads["classifier"]))
   assert all(np.isnan(g).any() for g in jax.tree.leaves(grads))
+
+
+class _PositionBiasedDense(nn.Dense):
+  """A token head with a learned bias per position: its own ``__call__`` reads columns."""
+  max_length: int = LENGTH
+
+  @nn.compact
+  def __call__(self, inputs):
+    bias = self.param("position_bias", nn.initializers.normal(1.0),
+                      (self.max_length, self.features))
+    return super().__call__(inputs) + bias[:inputs.shape[-2]]
+
+
+class _Tagger(nn.Module):
+  @nn.compact
+  def __call__(self, hidden):
+    return _PositionBiasedDense(3, name="tagger")(hidden)
+
+
+def test_a_dense_subclass_of_its_own_after_the_region_runs_as_it_is():
+  """A Dense subclass with its own ``__call__`` on the packed encoder's outputs runs on the
+  ``[B, L]`` outputs, as the report says (left alone), not on the packed rows, where its
+  position bias would read slots for columns."""
+  encoder = FlaxBertModel(_encoder_config(BertConfig), seed=5)
+  head = _Tagger()
+  rng = np.random.default_rng(32)
+  mask = _mask(rng, "right")
+  ids, labels = _ids(rng, mask), rng.integers(0, 3, size=mask.shape)
+  head_params = head.init(jax.random.key(1), jnp.zeros((BATCH, LENGTH, 16)))
+
+  def loss(params, packed):
+    reports = []
+    with _packing(int(mask.sum()) if packed else None, mask, reports):
+      hidden = encoder(ids, attention_mask=mask, params=params[0]).last_hidden_state
+      logits = head.apply(params[1], hidden)
+    assert not packed or (reports[0].packed == ["encoder"]
+                          and reports[0].skipped["tagger"] == "a subclass with its own __call__")
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(losses * mask) / jnp.sum(mask)
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  params = (encoder.params, head_params)
+  assert_matches_dense(grad(params, True), grad(params, False))
 
 
 def test_traced_overflow_is_loud(tiny_bert, packed_bert):
