@@ -31,14 +31,16 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                         max_length: int, learning_rate: float, weight_decay: float,
                         timing_repeats: int, out: str, extra=None,
                         packed: bool = True, devices: bool = False,
-                        packed_row_log: bool = True) -> argparse.Namespace:
+                        packed_row_log: bool = True,
+                        longest: int | None = None) -> argparse.Namespace:
   """The command line the examples share (defaults per example, ``packed`` that of
   ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
   ``devices``: ``--devices``, training on several (:func:`fit`), and ``--compiler-option``,
   XLA options for the training step, checked here. Every count must be positive
   (``--timing-repeats`` may be 0: no timing), the learning rate too, the weight decay at
   least 0. ``packed_row_log=False``: packed, no layer runs SEBP, so ``--row-log`` with
-  ``--packed`` is refused."""
+  ``--packed`` is refused. ``longest``: the most positions the model takes (``--max-length``
+  past it is refused)."""
   parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--steps", type=int, default=steps, help="training steps per run")
@@ -85,6 +87,8 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
         parser.error(f"--timing-repeats must be 0 (no timing) or more, got {value}")
       elif name != "timing_repeats" and value <= 0:
         parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+  if longest is not None and args.max_length > longest:
+    parser.error(f"--max-length {args.max_length}: the model takes at most {longest} positions")
   if not 0 < args.learning_rate < float("inf"):
     parser.error(f"--learning-rate must be positive and finite, got {args.learning_rate}")
   if not 0 <= args.weight_decay < float("inf"):

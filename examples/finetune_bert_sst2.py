@@ -40,7 +40,7 @@ from benchmarks.harness import data_parallel_mesh
 from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
                              sebp_context, timed_capacity)
 from examples.datasets import batches, encode_fixed_length, load_sst2
-from examples.pretrained import load_bert_classifier
+from examples.pretrained import MINILM_POSITIONS, load_bert_classifier
 from sebp_jax import RowLog
 
 MODES = ("dense", "sebp")
@@ -53,7 +53,7 @@ def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=70, batch_size=32,
                              max_length=128, learning_rate=1e-4, weight_decay=0.01,
                              timing_repeats=5, out="runs/sst2", extra=dev_examples,
-                             devices=True)
+                             devices=True, longest=MINILM_POSITIONS)
 
 
 def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
@@ -103,7 +103,11 @@ def load_train_batches(tokenizer, args) -> list[dict[str, np.ndarray]]:
   sentences = [train[i] for i in order]
   arrays = encode_fixed_length(tokenizer, [s for s, _ in sentences], args.max_length)
   arrays["labels"] = np.array([label for _, label in sentences], np.int32)
-  return list(batches(arrays, args.batch_size))
+  train_batches = list(batches(arrays, args.batch_size))
+  if len(train_batches) < args.steps:
+    raise SystemExit(f"SST-2 has only {len(train_batches)} batches of {args.batch_size} "
+                     f"sentences: give at most that many --steps")
+  return train_batches
 
 
 def main(argv=None) -> dict:

@@ -39,7 +39,7 @@ from benchmarks.harness import data_parallel_mesh
 from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
                              sebp_context, timed_capacity)
 from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
-from examples.pretrained import load_smollm2
+from examples.pretrained import SMOLLM2_POSITIONS, load_smollm2
 from sebp_jax import RowLog, token_budget_batches
 from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
 
@@ -50,7 +50,7 @@ def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
                              max_length=256, learning_rate=3e-5, weight_decay=0.0,
                              timing_repeats=3, out="runs/llama", extra=_add_lm_head_flag,
-                             devices=True)
+                             devices=True, longest=SMOLLM2_POSITIONS)
 
 
 def _add_lm_head_flag(parser):
@@ -113,10 +113,11 @@ def main(argv=None) -> dict:
   # Each batch in the smallest of at most four capacities that holds it, or in the token budget that
   # filled it, picked on the host: static, so exact, and at most four compiles of the step
   # (one with a budget).
-  capacities = ([args.token_budget] * len(train_batches) if args.token_budget
-                else run_capacities(train_batches, num_shards=args.devices))
-  real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   rows = args.batch_size * args.max_length
+  # A budget past the batch's tokens packs into as many slots as the batch (a device) has.
+  capacities = ([min(args.token_budget, rows // args.devices)] * len(train_batches)
+                if args.token_budget else run_capacities(train_batches, num_shards=args.devices))
+  real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
         f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
         f"capacities{' per device' * (args.devices > 1)} {sorted(set(capacities))}")

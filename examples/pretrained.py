@@ -322,10 +322,14 @@ def _llama_params_from_gguf(reader, config, undo_rope_permutation: bool) -> dict
   return flax.traverse_util.unflatten_dict(flat)
 
 
+#: The positions of all-MiniLM-L6-v2's table; those load_smollm2 gives SmolLM2 by default.
+MINILM_POSITIONS, SMOLLM2_POSITIONS = 512, 2048
+
+
 def load_smollm2(
     dtype=jnp.float32,
     *,
-    max_position_embeddings: int | None = 2048,
+    max_position_embeddings: int | None = SMOLLM2_POSITIONS,
     undo_rope_permutation: bool = True,
 ):
   """SmolLM2-135M-Instruct from its shipped Q4_1 GGUF file, as a Flax causal LM.

@@ -103,9 +103,9 @@ class PackedLayout:
 
 def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
                    buckets: tuple[int, ...] | None = None) -> int:
-  """A capacity for a host-side ``mask``: its real tokens rounded up to ``multiple`` (at most
-  ``mask.size``), or with ``buckets`` (:func:`capacity_buckets`) the smallest bucket that holds
-  them (ValueError where none does). Bucketing bounds the number of compiled shapes: pass it
+  """A capacity for a host-side ``mask``: its real tokens rounded up to ``multiple``, or with
+  ``buckets`` (:func:`capacity_buckets`) the smallest bucket that holds them (ValueError where
+  none does); at most ``mask.size``, as many slots as the batch has tokens. Bucketing bounds the number of compiled shapes: pass it
   as a static argument of the jitted step. With the batch split into ``num_shards`` shards
   along its first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per
   shard): the fullest shard's real tokens, rounded up, at most a shard's rows."""
@@ -122,7 +122,7 @@ def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
     if not fitting:
       raise ValueError(f"buckets {tuple(buckets)} hold at most {max(buckets)} tokens, and the "
                        f"mask has {num_tokens}{' in a shard' if num_shards > 1 else ''}")
-    return min(fitting)
+    return min(mask.size // num_shards, min(fitting))
   return min(mask.size // num_shards, -(-num_tokens // multiple) * multiple)
 
 

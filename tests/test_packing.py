@@ -467,6 +467,10 @@ def test_capacity_buckets_bound_the_compiles_and_the_padding():
   assert capacity_buckets(100, count=3, multiple=8) == (32, 56, 104)
   with pytest.raises(ValueError, match="positive"):
     capacity_buckets(0)
+  # No more slots than the batch has tokens (a 2x32 batch under a bucket of 128), per shard.
+  mask = np.ones((2, 32))
+  assert token_capacity(mask, buckets=(128,)) == 64
+  assert token_capacity(mask, buckets=(128,), num_shards=2) == 32
 
 
 def test_token_budget_batches_fill_a_fixed_capacity_in_order():

@@ -39,6 +39,22 @@ def test_counts_must_be_positive(capsys):
     finetune_llama.parse_args(["--timing-repeats", "-1"])
   assert "--timing-repeats must be 0 (no timing) or more, got -1" in capsys.readouterr().err
   assert finetune_llama.parse_args(["--timing-repeats", "0"]).timing_repeats == 0
+  # More positions than the model has: a usage error, not NaN losses and a traceback.
+  for example, longest in ((finetune_bert_sst2, 512), (finetune_llama, 2048)):
+    with pytest.raises(SystemExit):
+      example.parse_args(["--max-length", str(longest + 1)])
+    assert (f"--max-length {longest + 1}: the model takes at most {longest} positions"
+            in capsys.readouterr().err)
+    assert example.parse_args(["--max-length", str(longest)]).max_length == longest
+
+
+def test_more_bert_steps_than_sst2_holds_is_a_usage_error():
+  """The carried SST-2 training set makes 60,614 // 32 batches: more --steps stop with a
+  message (they trained fewer steps than asked, on a schedule made for the steps asked)."""
+  from examples.pretrained import load_minilm_tokenizer
+  args = finetune_bert_sst2.parse_args(["--steps", "1895"])
+  with pytest.raises(SystemExit, match="SST-2 has only 1894 batches of 32 sentences"):
+    finetune_bert_sst2.load_train_batches(load_minilm_tokenizer(), args)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
@@ -274,6 +290,10 @@ def test_the_llama_example_fills_a_token_budget_with_one_compile(tmp_path, monke
       "--steps", "3", "--batch-size", "4", "--max-length", "64", "--token-budget", "120",
       "--timing-repeats", "0", "--out", str(tmp_path)])
   assert summary["capacities"] == [120] and summary["sebp_compiles"] == 1
+  summary = finetune_llama.main([
+      "--steps", "1", "--batch-size", "2", "--max-length", "32", "--token-budget", "120",
+      "--timing-repeats", "0", "--out", str(tmp_path)])
+  assert summary["capacities"] == [64]  # No more slots than the batch's 2 x 32 tokens.
   assert summary["max_loss_difference"] < 1e-5
   args = finetune_llama.parse_args(["--batch-size", "4", "--max-length", "64",
                                     "--token-budget", "120", "--steps", "20"])
