@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.harness import append_json_lines, median_ms, parse_pairs, record
+from benchmarks.harness import (append_json_lines, median_ms, non_negative_int, parse_pairs,
+                                positive_int, record)
 from sebp_jax.packing import (fused_attention_implementation, gather_tokens, pack_layout,
                               packed_attention, token_capacity)
 
@@ -113,13 +114,12 @@ def main(argv=None) -> list[dict]:
   parse_batches = functools.partial(parse_pairs, what="BxL")
   parser.add_argument("--batches", type=parse_batches, default=parse_batches(
       "4x1024,16x4096,32x4096,64x2048"), help="comma list of BxL")
-  parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
-  parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and values")
+  parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved timing rounds")
+  parser.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of the lengths and values")
   parser.add_argument("--tiny", action="store_true", help="toy head counts (CPU smoke run)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
-  if args.rounds <= 0:
-    parser.error("--rounds must be positive")
   return run(args.batches, args.rounds, args.seed, args.tiny, args.out)
 
 

@@ -14,7 +14,8 @@ import json
 
 import numpy as np
 
-from benchmarks.harness import append_json_lines, parse_positive_ints, record
+from benchmarks.harness import (append_json_lines, non_negative_int, parse_positive_ints,
+                                positive_int, record)
 from benchmarks.model import LENGTHS_DIR, SETUPS
 from sebp_jax.packing import balanced_shard_order
 
@@ -45,8 +46,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="setups whose batch size and lengths to draw (default: bert, llama)")
   parser.add_argument("--devices", type=parse_positive_ints, default=[2, 4, 8])
-  parser.add_argument("--batches", type=int, default=500)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--batches", type=positive_int, default=500)
+  parser.add_argument("--seed", type=non_negative_int, default=0)
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   rows = [balance(kind, devices, args.batches, args.seed)

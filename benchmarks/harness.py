@@ -196,6 +196,26 @@ def parse_positive_ints(text: str) -> list[int]:
   return values
 
 
+def positive_int(text: str) -> int:
+  """An argparse type: one positive int."""
+  return _int_at_least(text, 1, "a positive int")
+
+
+def non_negative_int(text: str) -> int:
+  """An argparse type: one int of 0 or more (a seed, a count that may be none)."""
+  return _int_at_least(text, 0, "an int of 0 or more")
+
+
+def _int_at_least(text: str, smallest: int, what: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = smallest - 1
+  if value < smallest:
+    raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+  return value
+
+
 def parse_compiler_option(text: str) -> tuple[str, bool | int | str]:
   """``NAME=VALUE`` as an XLA option: true / false as booleans, integers as such."""
   name, sep, value = text.partition("=")

@@ -39,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.harness import (ALL_SHAPES, append_json_lines, median_ms, over_input_sets,
-                                parse_positive_ints, parse_shapes, record)
+                                parse_positive_ints, parse_shapes, positive_int, record)
 from sebp_jax import sebp_linear
 
 TOKENS = (4096, 16384, 65536)
@@ -214,18 +214,19 @@ def main(argv=None):
                       help="comma list of T (default: 4096,16384,65536)")
   parser.add_argument("--kept", type=parse_positive_ints, default=list(KEPT_PERCENT),
                       help="comma list of kept percentages (default: 5,10,20,50)")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--repeats", type=int, default=20,
+  parser.add_argument("--dtype", default="bfloat16",
+                      choices=("bfloat16", "float16", "float32"))
+  parser.add_argument("--repeats", type=positive_int, default=20,
                       help="timed repeats per measurement; the median is kept")
-  parser.add_argument("--input-sets", type=int, default=4,
+  parser.add_argument("--input-sets", type=positive_int, default=4,
                       help="distinct random inputs evaluated per timed call")
-  parser.add_argument("--compile-threads", type=int, default=8)
-  parser.add_argument("--rounds", type=int, default=1,
+  parser.add_argument("--compile-threads", type=positive_int, default=8)
+  parser.add_argument("--rounds", type=positive_int, default=1,
                       help="interleaved rounds per case, every variant timed once in each; a "
                            "record keeps the median and the rounds, ratios their spread")
   args = parser.parse_args(argv)
-  if args.rounds <= 0:
-    parser.error("--rounds must be positive")
+  if max(args.kept) > 100:
+    parser.error(f"--kept is a percentage of the rows, at most 100, got {max(args.kept)}")
 
   # T outermost, in the order given: an interrupted run has whole T sweeps.
   cases = [Case(d, n, t, kept, args.dtype)

@@ -102,9 +102,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 from benchmarks.harness import (append_json_lines, data_parallel_mesh, join_processes,
-                                launch_processes, median_ms, parse_compiler_option,
-                                parse_positive_ints, parse_subset, profile_guided,
-                                read_json_lines, record)
+                                launch_processes, median_ms, non_negative_int,
+                                parse_compiler_option, parse_positive_ints, parse_subset,
+                                positive_int, profile_guided, read_json_lines, record)
 from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
@@ -488,10 +488,16 @@ def mode_loss(kind: str, model, mode: str, batch: dict[str, np.ndarray], top_n: 
   mask = host_batch["attention_mask"]
   if num_shards is None:
     num_shards = sharding["mesh"].size if sharding else 1
-  capacity = min(max(token_capacity(mask, num_shards=num_shards), packed_capacity or 0),
-                 mask.size // num_shards)
+  capacity = packed_slots(mask, packed_capacity, num_shards)
   return host_batch, make_loss(kind, model, mode, top_n, backend, capacity, host_mask=mask,
                                sharding=sharding)
+
+
+def packed_slots(mask: np.ndarray, packed_capacity: int | None, num_shards: int) -> int:
+  """The capacity a packed mode runs a device's rows of ``mask`` at: theirs
+  (:func:`token_capacity`), or ``packed_capacity`` where larger, at most their tokens."""
+  return min(max(token_capacity(mask, num_shards=num_shards), packed_capacity or 0),
+             mask.size // num_shards)
 
 
 def loss_weight(kind: str):
@@ -697,7 +703,7 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     modes = [m for m in modes if split_mode(m, backend)[0] not in LM_HEAD_MODES]
   if setup.nnx:
     modes = [m for m in modes if split_mode(m, backend)[0] in NNX_MODES]
-  fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size,
+  fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size, seed=seed,
                 top_n=top_n, compute_dtype="bfloat16",
                 param_dtype=jnp.dtype(setup.param_dtype).name, repeats=repeats, rounds=rounds,
                 calls_per_repeat=calls_per_repeat,
@@ -763,10 +769,12 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
         step_dispatch_ms=float(np.median(step_dispatch[fsdp_kind, mode])),
         peak_bytes=peak_bytes(compiled_step), collectives=collective_counts(compiled_step),
         collective_bytes=collective_bytes(compiled_step))
+    if "packed" in mode:
+      row["capacity"] = packed_slots(host_batch["attention_mask"], packed_capacity, devices)
     row.update(real_token_throughput(row, num_params))
-    one_device = next((r for r in reversed(baseline) if r["model"] == kind
-                       and r["mode"] == mode and r.get("tiny") == tiny
-                       and r.get("batch_size") == setup.batch_size and "step_ms" in r), None)
+    # The one-device run of the same measurement: same batch, timing, library and device.
+    one_device = next((r for r in reversed(baseline) if "step_ms" in r and all(
+        r.get(name) == row.get(name) for name in BASELINE_FIELDS)), None)
     if dense is not None:
       dense_ms = with_backward({f"{stage}_ms": np.asarray(ms) for stage, ms in dense.items()})
       for stage in [s for s in ("backward", "grad", "step") if f"{s}_ms" in timed]:
@@ -784,6 +792,11 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
     rows.append(row)
     append_json_lines(None if quiet else out, [row])
   return rows
+
+
+#: What a one-device record must share with a run on several devices to be its baseline.
+BASELINE_FIELDS = ("model", "mode", "tiny", "batch_size", "seed", "calls_per_repeat", "donated",
+                   "backend", "packed_capacity", "device", "jax_version")
 
 
 def with_backward(timed: dict) -> dict:
@@ -892,15 +905,16 @@ def main(argv=None) -> list[dict]:
                            "@BACKEND (that mode's SEBP backend, in place of --backend)")
   parser.add_argument("--backend", default="auto", choices=("auto", *implementation_names()),
                       help="SEBP backend of the sebp_* modes")
-  parser.add_argument("--repeats", type=int, default=3,
+  parser.add_argument("--repeats", type=positive_int, default=3,
                       help="calls of each measurement in a round; their median is the round's")
-  parser.add_argument("--calls-per-repeat", type=int, default=1,
+  parser.add_argument("--calls-per-repeat", type=positive_int, default=1,
                       help="calls dispatched back to back before one sync (1: each call "
                            "synced, the host's dispatch timed too)")
-  parser.add_argument("--rounds", type=int, default=5,
+  parser.add_argument("--rounds", type=positive_int, default=5,
                       help="interleaved rounds, every mode timed once in each; a record keeps "
                            "the median and the spread of the rounds")
-  parser.add_argument("--seed", type=int, default=0, help="seed of the batch's tokens and lengths")
+  parser.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of the batch's tokens and lengths")
   parser.add_argument("--tiny", action="store_true", help="toy model sizes (CPU smoke run)")
   parser.add_argument("--devices", type=parse_positive_ints, default=[1],
                       help="comma list of device counts, each a data-parallel run with the "
@@ -925,7 +939,7 @@ def main(argv=None) -> list[dict]:
                       help="on several devices, every device's rows with the one-device "
                            "batch's lengths (same: weak scaling at equal work) or lengths drawn "
                            "for each device (drawn)")
-  parser.add_argument("--packed-capacity", type=int, default=None,
+  parser.add_argument("--packed-capacity", type=positive_int, default=None,
                       help="the packed modes' capacity per device in place of each batch's "
                            "own (token_capacity), where it holds the batch: one compile for "
                            "every batch of a run")
@@ -939,11 +953,11 @@ def main(argv=None) -> list[dict]:
                       default=[], metavar="NAME=VALUE",
                       help="an XLA option the runs on several devices compile with, e.g. "
                            "xla_gpu_enable_latency_hiding_scheduler=true (repeatable)")
-  parser.add_argument("--pgle-runs", type=int, default=0,
+  parser.add_argument("--pgle-runs", type=non_negative_int, default=0,
                       help="on several devices, compile each step again for XLA's "
                            "profile-guided latency estimator, from a device trace of this "
                            "many calls (GPU; 0: the default compile)")
-  parser.add_argument("--processes", type=int, default=1,
+  parser.add_argument("--processes", type=positive_int, default=1,
                       help="run as this many processes of one device each (jax.distributed, "
                            "GPU i for process i), started here; --devices must then be the "
                            "processes' devices together")
@@ -958,16 +972,10 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   modes = args.modes
-  if args.repeats <= 0 or args.rounds <= 0 or args.calls_per_repeat <= 0:
-    parser.error("--repeats, --rounds and --calls-per-repeat must be positive")
   if args.balance and args.shard_lengths != "drawn":
     parser.error("--balance reorders drawn lengths: add --shard-lengths drawn")
   if "step" not in args.stages:
     parser.error("--stages must include step")
-  if args.processes <= 0:
-    parser.error("--processes must be positive")
-  if args.pgle_runs < 0:
-    parser.error("--pgle-runs must be 0 or more")
   if args.donate and args.pgle_runs:
     parser.error("--donate and --pgle-runs go apart: the profiled runs share the params")
   if (args.compiler_option or args.pgle_runs) and max(args.devices) == 1:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.harness import append_json_lines, median_ms, parse_positive_ints, record
+from benchmarks.harness import (append_json_lines, median_ms, parse_positive_ints, positive_int,
+                                record)
 from sebp_jax.selection import row_scores, select_active_rows
 
 
@@ -49,11 +50,14 @@ def main(argv=None):
   parser.add_argument("--widths", type=parse_positive_ints, default=[768, 2048, 8192],
                       help="comma list of N, the width of dY")
   parser.add_argument("--kept", type=float, default=0.2, help="top_n as a fraction of T, in (0, 1]")
-  parser.add_argument("--repeats", type=int, default=50, help="timed repeats; the median")
+  parser.add_argument("--repeats", type=positive_int, default=50,
+                      help="timed repeats; the median")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   if not 0 < args.kept <= 1:
     parser.error(f"--kept must lie in (0, 1], got {args.kept}")
+  if int(min(args.tokens) * args.kept) < 1:
+    parser.error(f"--kept {args.kept} of {min(args.tokens)} tokens keeps no row")
   records = []
   print(f"{'T':>6} {'N':>5} {'regime':8} " + " ".join(f"{v:>12}" for v in VARIANTS))
   for num_rows in args.tokens:

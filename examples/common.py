@@ -82,10 +82,10 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
     extra(parser)
   args = parser.parse_args(argv)
   for name, value in vars(args).items():
-    if isinstance(value, int) and not isinstance(value, bool) and name != "seed":
-      if name == "timing_repeats" and value < 0:
-        parser.error(f"--timing-repeats must be 0 (no timing) or more, got {value}")
-      elif name != "timing_repeats" and value <= 0:
+    if isinstance(value, int) and not isinstance(value, bool):
+      if name in ("timing_repeats", "seed") and value < 0:
+        parser.error(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
+      elif name not in ("timing_repeats", "seed") and value <= 0:
         parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
   if longest is not None and args.max_length > longest:
     parser.error(f"--max-length {args.max_length}: the model takes at most {longest} positions")

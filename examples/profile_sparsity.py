@@ -138,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     value = getattr(args, name)
     if value is not None and value <= 0:
       parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+  if not 0 < args.learning_rate < float("inf"):
+    parser.error(f"--learning-rate must be positive and finite, got {args.learning_rate}")
+  if args.seed < 0:
+    parser.error(f"--seed must be 0 or more, got {args.seed}")
   return args
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import (attention, collectives, harness, layer, model, profile_model, selection,
-                        tune_blocks)
+from benchmarks import (attention, balance, collectives, harness, layer, model, profile_model,
+                        selection, tune_blocks)
 from sebp_jax.packing import token_capacity
 from sebp_jax.sharding import shard_row_counts
 from tests.model_testing import assert_tables_cross_as_rows
@@ -176,6 +176,13 @@ def test_model_benchmark_records_one_and_two_devices(tmp_path):
     _assert_tables_cross_as_rows(row, dense)
   assert "all-to-all" not in dense["collectives"]
   assert sebp["top_n"] < sebp["real_tokens"]  # Each shard's own capacity.
+  # The packed capacity that ran: the batch's real tokens rounded, each device's on two.
+  assert one[2]["capacity"] >= one[2]["real_tokens"] and packed["capacity"] <= 4 * 64 // 2
+  assert "capacity" not in sebp
+  # A one-device record of another batch (seed) is no baseline.
+  (other,) = model.main(["--modes", "dense", "--devices", "2", "--seed", "1", "--stages", "step",
+                         *common])
+  assert "scaling_efficiency" not in other
 
 
 def test_a_mode_out_of_memory_is_recorded_and_the_others_run(tmp_path, monkeypatch, capsys):
@@ -445,7 +452,6 @@ def test_the_carried_section_lengths_are_those_of_the_data(tmp_path, monkeypatch
 
 
 def test_balance_benchmark_evens_the_fullest_shard():
-  from benchmarks import balance
   rows = balance.main(["--model", "llama", "--devices", "1,4", "--batches", "20"])
   one, four = rows
   assert one["fullest_over_mean_drawn"] == one["fullest_over_mean_balanced"] == 1.0
@@ -558,6 +564,23 @@ def test_a_donated_step_runs_on_its_own_results_and_keeps_the_params_it_started_
   np.testing.assert_allclose(new_params, params + 2 * batch, rtol=1e-6)
   assert int(state) == 7
   assert not params.is_deleted()
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    (model, ["--repeats", "0"], "--repeats: expected a positive int, got '0'"),
+    (model, ["--seed", "-1"], "--seed: expected an int of 0 or more, got '-1'"),
+    (model, ["--packed-capacity", "-5"], "--packed-capacity: expected a positive int"),
+    (layer, ["--input-sets", "0"], "--input-sets: expected a positive int"),
+    (layer, ["--kept", "150"], "--kept is a percentage of the rows, at most 100, got 150"),
+    (layer, ["--dtype", "floot"], "--dtype: invalid choice: 'floot'"),
+    (selection, ["--tokens", "8", "--kept", "0.1"], "--kept 0.1 of 8 tokens keeps no row"),
+    (selection, ["--repeats", "0"], "--repeats: expected a positive int"),
+    (balance, ["--batches", "0"], "--batches: expected a positive int"),
+    (attention, ["--rounds", "0"], "--rounds: expected a positive int")])
+def test_counts_out_of_range_are_usage_errors(module, argv, message, capsys):
+  with pytest.raises(SystemExit):
+    module.main(argv)
+  assert message in capsys.readouterr().err
 
 
 def test_donating_refuses_profile_guided_compiles(capsys):

@@ -37,7 +37,10 @@ def test_counts_must_be_positive(capsys):
   assert "--steps must be positive, got 0" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     finetune_llama.parse_args(["--timing-repeats", "-1"])
-  assert "--timing-repeats must be 0 (no timing) or more, got -1" in capsys.readouterr().err
+  assert "--timing-repeats must be 0 or more, got -1" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    finetune_llama.parse_args(["--seed", "-1"])
+  assert "--seed must be 0 or more, got -1" in capsys.readouterr().err
   assert finetune_llama.parse_args(["--timing-repeats", "0"]).timing_repeats == 0
   # More positions than the model has: a usage error, not NaN losses and a traceback.
   for example, longest in ((finetune_bert_sst2, 512), (finetune_llama, 2048)):
