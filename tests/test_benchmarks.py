@@ -257,7 +257,8 @@ def test_attention_benchmark_records_the_three_ways(tmp_path, capsys):
     assert len(row[f"{way}_rounds_ms"]) == 2 and row[f"{way}_ms"] > 0
   low, high = row["rows_vs_padded_range"]
   assert low <= row["rows_vs_padded"] <= high
-  assert row["real_tokens"] <= row["capacity"] and row["longest"] % 64 == 0
+  # The padded way's columns: the longest row rounded up to 64, at most the batch's 96.
+  assert row["real_tokens"] <= row["capacity"] and row["longest"] in (64, 96)
   assert "rows/padded" in capsys.readouterr().out
 
 
