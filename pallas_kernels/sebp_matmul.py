@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -67,11 +69,13 @@ class BlockSizes:
         ("block_rows", 16, True), ("block_d", 16, True), ("block_n", 16, True),
         ("split_rows", 1, False), ("num_warps", 1, True), ("num_stages", 1, False)):
       value = getattr(self, name)
-      if (not isinstance(value, int) or isinstance(value, bool) or value < smallest
+      if (not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_))
+          or value < smallest
           or (power_of_two and value & (value - 1)) or (name == "num_warps" and value > 32)):
         kind = "a power of two" if power_of_two else "an int"
         largest = ", at most 32" if name == "num_warps" else ""
         raise ValueError(f"{name}={value!r} must be {kind} >= {smallest}{largest}")
+      object.__setattr__(self, name, int(value))  # numpy's ints hash and print as ints
 
 
 # Default tiles per layer-shape class, for 2-byte operands (benchmarks/tune_blocks.py

@@ -183,7 +183,8 @@ def _token_ids(ids: jax.Array, name: str) -> jax.Array:
     host = np.asarray(ids)
     if np.issubdtype(host.dtype, np.integer) and host.dtype.itemsize > 4:
       # A tokenizer's int64 ids become int32 without x64: one past int32's range would wrap
-      # to another id, maybe a valid one. It is out of every vocabulary: -1 says so.
+      # to another id, maybe a valid one. It is out of every vocabulary: -1 says so. (Passed
+      # to a jitted step, JAX narrows them at its boundary, before this sees them.)
       info = np.iinfo(np.int32)
       fits = (host >= info.min) & (host <= info.max)
       ids = np.where(fits, host, 0).astype(np.int64)
@@ -334,23 +335,30 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
       chunk_step, tuple(start), chunks)
   num_rows = inputs.shape[0]
   inputs_grad = rows_grad.reshape(-1, inputs.shape[-1])[:num_rows]
-  # The gradients of a unit cotangent, in each input's dtype; the backward scales them. The
-  # kernel's and bias's sum over the rows: kept divided by the weights' sum (a mean loss's
-  # scale), whose sum of thousands of rows would pass float16's range where the mean's does
-  # not.
-  weight_sum = jnp.sum(jnp.abs(weights))
-  unit = jnp.where(weight_sum > 0, weight_sum, 1.0)
-  grads = (inputs_grad, (kernel_grad / unit).astype(kernel.dtype),
-           None if bias is None else (bias_grad / unit).astype(bias.dtype),
+  # The gradients of a unit cotangent, in each input's dtype but for the kernel's and bias's
+  # sums over the rows in a dtype of float32's range: the backward scales them (a mean's
+  # 1/count, a loss scale) and then rounds, as jax.grad would; float16's sum of thousands of
+  # rows would overflow first.
+  grads = (inputs_grad, kernel_grad.astype(_sum_dtype(kernel.dtype)),
+           None if bias is None else bias_grad.astype(_sum_dtype(bias.dtype)),
            row_loss.reshape(-1)[:num_rows].astype(weights.dtype))
-  return total, (grads, labels, unit)
+  # Scalars of the inputs' dtypes, which the backward rounds to (residuals are arrays).
+  dtypes = tuple(None if a is None else jnp.zeros((), a.dtype)
+                 for a in (inputs, kernel, bias, weights))
+  return total, (grads, labels, dtypes)
+
+
+def _sum_dtype(dtype):
+  """``dtype``, or float32 where ``dtype`` has a narrower range (float16)."""
+  narrow = jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+  return jnp.float32 if narrow else dtype
 
 
 def _linear_cross_entropy_bwd(chunk, precision, residuals, total_grad):
-  grads, labels, unit = residuals
-  scales = (total_grad, total_grad * unit, total_grad * unit, total_grad)
+  grads, labels, dtypes = residuals
   inputs_grad, kernel_grad, bias_grad, weights_grad = (
-      None if g is None else (scale * g).astype(g.dtype) for g, scale in zip(grads, scales))
+      None if g is None else (total_grad * g).astype(like.dtype)
+      for g, like in zip(grads, dtypes))
   return (inputs_grad, kernel_grad, bias_grad, np.zeros(labels.shape, jax.dtypes.float0),
           weights_grad)
 

@@ -370,12 +370,18 @@ def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
   return layout.replace(invalid=invalid)
 
 
-def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Array:
+def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero",
+                  check_padding: bool = True) -> Array:
   """``x: [B, L, ...]`` -> ``[1, C, ...]``: the real tokens, filler slots zero, or
   (``filler="token"``, for the token ids a model embeds) the batch's first real token's: an
   id the padded batch reads too, where id 0 may be one it never reads (a non-finite table row
   would reach the real tokens through attention's zero weights, and every weight gradient
-  through the filler rows' zero cotangents)."""
+  through the filler rows' zero cotangents).
+
+  With ``check_padding`` (:func:`scatter_tokens`'s partner), a non-finite cotangent of the
+  packed values makes ``x``'s NaN everywhere, that of a filler slot too, which the gather's
+  transpose drops. The check is a ``custom_vjp``, which forward-mode autodiff refuses:
+  ``check_padding=False`` lets it through, unchecked."""
   if filler not in ("zero", "token"):
     raise ValueError(f"filler must be 'zero' or 'token', got {filler!r}")
   batch, length = layout.batch_shape
@@ -383,8 +389,9 @@ def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Ar
     raise ValueError(f"packing expected an array of the leading shape {(batch, length)} of "
                      f"active_mask, got {x.shape}")
   if layout.shards is not None:
-    return map_shards(lambda block, x: gather_tokens(x, block, filler=filler), layout, (x,),
-                      ("rows",), "packed")
+    return map_shards(lambda block, x: gather_tokens(x, block, filler=filler,
+                                                     check_padding=check_padding),
+                      layout, (x,), ("rows",), "packed")
   flat = x.reshape(batch * length, *x.shape[2:])
   packed = jnp.take(flat, layout.token_rows, axis=0, mode="fill", fill_value=0,
                     indices_are_sorted=True, unique_indices=True)
@@ -392,16 +399,16 @@ def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero") -> Ar
     real = (layout.token_rows < flat.shape[0]).reshape(-1, *[1] * (x.ndim - 2))
     first = flat[jnp.minimum(layout.token_rows[0], flat.shape[0] - 1)]
     packed = jnp.where(real, packed, first)
-  if jnp.issubdtype(x.dtype, jnp.inexact):
+  if check_padding and jnp.issubdtype(x.dtype, jnp.inexact):
     packed = _spare_slots_unread(packed, x)
   return packed[None]
 
 
 @jax.custom_vjp
 def _spare_slots_unread(packed: Array, x: Array) -> Array:
-  """``packed: [C, ...]``, gathered from ``x: [B, L, ...]``, as is. The gather's transpose
-  drops the cotangent of the spare slots; a non-finite one there makes ``x``'s cotangent NaN
-  everywhere: a shard without real tokens passes a loss's read of its padding
+  """``packed: [C, ...]``, gathered from ``x: [B, L, ...]``, as is; a non-finite cotangent of
+  it makes ``x``'s NaN everywhere. The gather's transpose drops the spare slots' cotangent,
+  and a shard without real tokens passes a loss's read of its padding
   (:func:`_padding_unread`) to the weights through its spare slots only."""
   del x
   return packed

@@ -239,7 +239,8 @@ def test_linear_cross_entropy_labels_out_of_the_vocabulary_and_the_weights_gradi
 def test_linear_cross_entropy_float16_sums_the_kernel_gradient_within_range():
   """A mean over 4,096 rows of features about 60 in float16: the kernel's gradient summed over
   the rows passes float16's range where the mean's does not; it stays finite, as jax.grad of
-  the unchunked float16 head gives it, and equal to float64."""
+  the unchunked float16 head gives it, and equal to float64. A small one keeps what a loss
+  scale saves from float16's underflow."""
   rng = np.random.default_rng(11)
   rows, features, vocab = 4096, 8, 16
   inputs = jnp.asarray(56 + 8 * np.abs(rng.normal(size=(rows, features))), jnp.float16)
@@ -253,6 +254,17 @@ def test_linear_cross_entropy_float16_sums_the_kernel_gradient_within_range():
   want = _head_reference(inputs, kernel, None, labels, weights)[2] / rows
   assert np.abs(want).max() > 20 and np.isfinite(got).all()
   np.testing.assert_allclose(got, want, rtol=0.01, atol=0.01 * np.abs(want).max())
+  # A mean gradient of about 2e-5 a weight, under float16's normal range: a loss scale of
+  # 2**14 keeps it there, as it does for jax.grad, when it is applied before the rounding.
+  inputs = jnp.asarray(rng.normal(size=(rows, 64)) / 20, jnp.float16)
+  kernel = jnp.asarray(rng.normal(size=(64, 512)) / 20, jnp.float16)
+  labels = rng.integers(0, 512, rows).astype(np.int32)
+  scaled = lambda kernel: 2.0**14 * linear_cross_entropy(inputs, kernel, None, labels, weights,
+                                                         chunk=512) / rows
+  got = np.asarray(jax.grad(scaled)(kernel), np.float64)
+  want = 2.0**14 * _head_reference(inputs, kernel, None, labels, weights)[2] / rows
+  assert np.median(np.abs(want)) / 2.0**14 < 6e-5 and np.all(got != 0)
+  np.testing.assert_allclose(got, want, rtol=0.02, atol=1e-3 * np.abs(want).max())
 
 
 def test_linear_cross_entropy_takes_float64_under_x64():

@@ -174,6 +174,11 @@ def test_gradient_through_gather_and_scatter(seed, shape, kind):
   value, tangent = jax.jvp(lambda p: scatter_tokens(p, layout, check_padding=False),
                            (packed,), (packed,))
   np.testing.assert_array_equal(tangent, value)
+  with pytest.raises(TypeError, match="forward-mode"):
+    jax.jvp(lambda x: gather_tokens(x, layout), (jnp.asarray(x),), (jnp.asarray(x),))
+  value, tangent = jax.jvp(lambda x: gather_tokens(x, layout, check_padding=False),
+                           (jnp.asarray(x),), (jnp.asarray(x),))
+  np.testing.assert_array_equal(tangent, value)
 
 
 def _reference_allowed(mask, causal, window):

@@ -573,3 +573,5 @@ def test_default_tiles_of_large_layers(dtype):
 def test_block_sizes_refuse_what_triton_cannot_launch(field, value, expected):
   with pytest.raises(ValueError, match=f"{field}={value!r} must be {expected}"):
     BlockSizes(**{field: value})
+  assert BlockSizes(**{field: np.int64(32 if field != "num_stages" else 2)}) == BlockSizes(
+      **{field: 32 if field != "num_stages" else 2})
