@@ -287,11 +287,13 @@ def _swapped_class(cls: type) -> type:
   return _SWAPPED_CLASSES[cls]
 
 
-def _einsum_layer(cls: type) -> EinsumLayer | None:
+def _einsum_layer(cls: type) -> EinsumLayer | str | None:
+  """The einsum layer ``cls`` is, "a subclass with its own __call__" (which may compute
+  something else), or None."""
   for base in cls.__mro__:
     if base in _EINSUM_LAYERS:
-      # A subclass with a __call__ of its own may compute something else.
-      return _EINSUM_LAYERS[base] if cls.__call__ is base.__call__ else None
+      return (_EINSUM_LAYERS[base] if cls.__call__ is base.__call__
+              else "a subclass with its own __call__")
   return None
 
 
@@ -313,7 +315,10 @@ class use_sebp(SEBPContext):
   A layer with a custom ``dot_general`` / ``einsum_op`` or ``preferred_element_type``, or
   called with ``out_sharding``, is left dense; these, the subclasses left alone and
   ``nnx.LinearGeneral`` layers are listed in ``report.skipped`` with the reason. On exit
-  every layer has its class back, with the same Variables: the model is as it was.
+  every layer has its class back, with the same Variables: the model is as it was. A copy
+  made inside the context (``nnx.clone``, a graph definition from ``nnx.split``) keeps the
+  swapped classes, which run SEBP under an equal context only and are neither swapped nor
+  listed by another: make copies outside it.
 
   Enter it inside the function that is traced (the loss function under ``nnx.grad``), on the
   model that function received. Entered outside ``nnx.jit``, it works too: the swapped
@@ -388,6 +393,8 @@ class use_sebp(SEBPContext):
     einsum = _einsum_layer(cls)
     if einsum is None:
       return None
+    if isinstance(einsum, str):
+      return "einsum", einsum
     if getattr(module, "einsum_op", jnp.einsum) is not jnp.einsum:
       return "einsum", "custom einsum_op"
     if getattr(module, "preferred_element_type", None) is not None:

@@ -41,7 +41,9 @@ class RowLog:
       jax.block_until_ready(grads)
       print(log.summary())            # or log.records: a list of dicts
 
-  A record holds ``layer``, ``step`` (that layer's count of backwards so far), ``rows`` (T),
+  A record holds ``layer``, ``step`` (that layer's count of backwards so far: a layer under
+  ``nn.scan`` / ``nnx.scan`` or a vmap runs one backward per iteration or member, in the
+  backward's order, so there a training step holds several), ``rows`` (T),
   ``active``, ``kept``, ``capacity``, ``dropped_share`` (dropped / total squared norm of
   dY; NaN when dY is not finite, or when a row's squares overflow float32, ``|dY|`` above about
   1e19) and, with ``row_values=True``, ``row_max_abs`` and

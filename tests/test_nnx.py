@@ -339,6 +339,11 @@ def test_a_registered_einsum_layer_of_another_library():
     sebp_nnx.register_einsum(int)
 
 
+class _DoubledEinsum(nnx.Einsum):
+  def __call__(self, inputs):
+    return 2 * super().__call__(inputs)
+
+
 def test_layers_it_cannot_run_stay_dense_with_the_reason():
   class Model(nnx.Module):
     def __init__(self, rngs):
@@ -349,9 +354,11 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
       self.sharded = nnx.Linear(8, 8, rngs=rngs)
       self.lora = nnx.LoRALinear(8, 8, lora_rank=2, rngs=rngs)
       self.general = nnx.LinearGeneral(8, (2, 4), rngs=rngs)
+      self.doubled = _DoubledEinsum("BTD,DF->BTF", (8, 8), rngs=rngs)
 
     def __call__(self, x):
       y = self.plain(self.custom(x)) + self.lora(x) + self.general(x).reshape(x.shape)
+      y = y + self.doubled(x)
       return self.sharded(y, out_sharding=None) + jnp.sum(self.transposed(x))
 
   model = Model(nnx.Rngs(0))
@@ -362,6 +369,7 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
   assert "not a linear map of rows" in report.skipped["transposed"]
   assert report.skipped["lora"] == "a subclass with its own __call__"
   assert report.skipped["general"] == "nnx.LinearGeneral (not swapped)"
+  assert report.skipped["doubled"] == "a subclass with its own __call__"
   assert report.swapped == ["plain", "sharded"]
 
 
