@@ -317,8 +317,8 @@ class use_sebp(SEBPContext):
   ``nnx.LinearGeneral`` layers are listed in ``report.skipped`` with the reason. On exit
   every layer has its class back, with the same Variables: the model is as it was. A copy
   made inside the context (``nnx.clone``, a graph definition from ``nnx.split``) keeps the
-  swapped classes, which run SEBP under an equal context only and are neither swapped nor
-  listed by another: make copies outside it.
+  swapped classes, which run SEBP under an equal context only and dense under another (in
+  its ``report.skipped``): make copies outside it.
 
   Enter it inside the function that is traced (the loss function under ``nnx.grad``), on the
   model that function received. Entered outside ``nnx.jit``, it works too: the swapped
@@ -369,7 +369,12 @@ class use_sebp(SEBPContext):
     modules."""
     cls = type(module)
     if cls in _SWAPPED_CLASSES.values():
-      return None
+      # A copy made inside another context: it runs SEBP under an equal one (as nnx.jit's
+      # copies do), its own forward under any other.
+      swap = vars(module).get(_SWAP_ATTR)
+      if swap is None or self.swapped_with(swap):
+        return None
+      return swap.kind, "a copy swapped by another use_sebp (made inside it): runs dense"
     if isinstance(module, nnx.Linear) and cls.__call__ is nnx.Linear.__call__:
       if module.dot_general is not jax.lax.dot_general:
         return "linear", "custom dot_general (e.g. fp8/quantized)"

@@ -373,6 +373,36 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
   assert report.swapped == ["plain", "sharded"]
 
 
+def test_a_copy_made_inside_a_context_is_listed_by_another():
+  """nnx.clone inside a context keeps its swapped classes: another context's report lists the
+  copy's layers as running dense, and its gradient is the dense one."""
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.first, self.second = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.second(jnp.tanh(self.first(x)))
+
+  model = Model(nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 8)), jnp.float32)
+  with sebp_nnx.use_sebp(model, include="^first$"):
+    model(x)
+    copy = nnx.clone(model)
+  assert type(copy.first).__name__ == "SEBPSwappedLinear"
+  want = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(model)
+  reports = []
+
+  def loss(m):
+    with sebp_nnx.use_sebp(m, threshold=0.5) as report:
+      reports.append(report)
+      return jnp.sum(jnp.sin(m(x)))
+
+  got = nnx.grad(loss)(copy)
+  assert reports[0].swapped == ["second"]
+  assert "a copy swapped by another use_sebp" in reports[0].skipped["first"]
+  np.testing.assert_allclose(got.first.kernel[...], want.first.kernel[...], rtol=1e-6)
+
+
 def test_bad_use_is_loud():
   model = TinyLM(nnx.Rngs(0))
   ids, mask = _batch(6)
