@@ -568,7 +568,8 @@ def test_default_tiles_of_large_layers(dtype):
 @pytest.mark.parametrize("field,value,expected", [
     ("block_rows", 48, "a power of two >= 16"), ("block_n", 8, "a power of two >= 16"),
     ("block_d", 64.0, "a power of two >= 16"), ("split_rows", 0, "an int >= 1"),
-    ("num_warps", 6, "a power of two >= 1, at most 32"), ("num_warps", 64, "a power of two >= 1, at most 32"),
+    ("num_warps", 6, "a power of two >= 1, at most 32"),
+    ("num_warps", 64, "a power of two >= 1, at most 32"),
     ("num_stages", 0, "an int >= 1"), ("num_stages", True, "an int >= 1")])
 def test_block_sizes_refuse_what_triton_cannot_launch(field, value, expected):
   with pytest.raises(ValueError, match=f"{field}={value!r} must be {expected}"):
