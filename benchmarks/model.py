@@ -823,21 +823,21 @@ def real_token_throughput(row: dict, num_params: int) -> dict:
 
 
 def print_table(rows) -> None:
-  header = (f"{'model':14} {'mode':28} {'dev':>3} {'fsdp':25} {'len':>5} {'fwd ms':>8} "
-            f"{'bwd ms':>8} "
-            f"{'grad ms':>8} {'step ms':>8} {'bwd x':>6} {'grad x':>6} {'step x (rounds)':>17} "
+  header = (f"{'model':14} {'mode':28} {'dev':>3} {'batch':>5} {'fsdp':25} {'len':>5} "
+            f"{'fwd ms':>8} {'bwd ms':>8} {'grad ms':>8} {'step ms':>8} {'bwd x':>6} "
+            f"{'grad x':>6} {'step x (rounds)':>17} "
             f"{'mem/dense':>9} {'scaling':>7} {'x kept':>6}")
   print(header)
   print("-" * len(header))
   nan = float("nan")
   for r in rows:
     if "error" in r:
-      print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r.get('fsdp') or '-':25} "
-            f"{r['error'][:60]}")
+      print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['batch_size']:5d} "
+            f"{r.get('fsdp') or '-':25} {r['error'][:60]}")
       continue
     low, high = r.get("step_speedup_vs_dense_range", (nan, nan))
-    print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r.get('fsdp') or '-':25} "
-          f"{r['padded_length']:5d} "
+    print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['batch_size']:5d} "
+          f"{r.get('fsdp') or '-':25} {r['padded_length']:5d} "
           f"{r.get('forward_ms', nan):8.2f} "
           f"{r.get('backward_ms', nan):8.2f} {r.get('grad_ms', nan):8.2f} {r['step_ms']:8.2f} "
           f"{r.get('backward_speedup_vs_dense', nan):6.2f} "

@@ -141,15 +141,18 @@ def estimate_threshold(values, *, bins: int = 200,
     positive values are not bimodal (no noise floor), and when there are none (empty, all
     zeros, NaN or Inf).
   """
-  _, _, threshold = _analyse(_log_positive(values), _check_bins(bins))
+  bins = _check_bins(bins)
+  _, _, threshold = _analyse(_log_positive(values), bins)
   if plot is not None:
-    plot_threshold(values, threshold, plot)
+    plot_threshold(values, threshold, plot, bins=bins)
   return threshold
 
 
-def plot_threshold(values, threshold: float, path, *, title: str | None = None) -> None:
-  """Draws the log-x CDF of ``|values|`` and, on a twin axis, its smoothed density; marks ε
-  (``threshold``) with a vertical line and its value; saves a PNG to ``path``.
+def plot_threshold(values, threshold: float, path, *, title: str | None = None,
+                   bins: int = 200) -> None:
+  """Draws the log-x CDF of ``|values|`` and, on a twin axis, its smoothed density over
+  ``bins`` log-spaced bins (as :func:`estimate_threshold` takes them); marks ε (``threshold``)
+  with a vertical line and its value; saves a PNG to ``path``.
 
   The CDF is that of all finite values: exact zeros show as its value at the left edge.
   """
@@ -159,7 +162,7 @@ def plot_threshold(values, threshold: float, path, *, title: str | None = None) 
 
   logs = _log_positive(values)
   num_finite = int(np.isfinite(_magnitudes(values)).sum())
-  edges, smoothed, _ = _analyse(logs, 200)
+  edges, smoothed, _ = _analyse(logs, _check_bins(bins))
   counts = np.histogram(logs, bins=edges)[0]
   cdf = ((num_finite - logs.size + np.concatenate([[0], np.cumsum(counts)]))
          / max(num_finite, 1))
@@ -339,8 +342,8 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
     records: a :class:`sebp_jax.RowLog`'s records, with ``row_values=True``.
     batch_shape: (B, L) with B * L = T, the rows of each layer.
     step: which backward of each layer (its record's ``step``) to draw.
-    layers: the layers to draw, top to bottom; default: those of ``step``, in the order of
-      their records.
+    layers: the layers to draw, top to bottom, each with B * L rows; default: those of
+      ``step`` with B * L rows (not a pooled head's), in the order of their records.
   """
   from matplotlib import colormaps
   from matplotlib.figure import Figure
@@ -348,19 +351,27 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
 
   batch, length = batch_shape
   at_step = {r["layer"]: r for r in records if r["step"] == step}
-  layers = list(at_step) if layers is None else list(layers)
-  if not layers:
+  if not at_step:
     raise ValueError(f"no record of step {step}")
+  rows_of = {layer: np.size(record["row_max_abs"]) for layer, record in at_step.items()
+             if record.get("row_max_abs") is not None}
+  if layers is None:
+    layers = [layer for layer, rows in rows_of.items() if rows == batch * length]
+    if not layers and rows_of:
+      raise ValueError(f"batch_shape {batch_shape} has {batch * length} rows, no layer of "
+                       f"step {step} has: they have {sorted(set(rows_of.values()))}")
+  layers = list(layers)
   missing = [layer for layer in layers if layer not in at_step]
   if missing:
     raise ValueError(f"no record of step {step} for layers {missing[:5]}")
-  if any(at_step[layer].get("row_max_abs") is None for layer in layers):
+  if not layers or any(layer not in rows_of for layer in layers):
     raise ValueError("records have no row values: log them with RowLog(row_values=True)")
+  other = [f"{layer} ({rows_of[layer]})" for layer in layers if rows_of[layer] != batch * length]
+  if other:
+    raise ValueError(f"batch_shape {batch_shape} has {batch * length} rows, the layers "
+                     f"{', '.join(other[:5])} other counts (rows)")
   maxima = np.stack([np.asarray(at_step[layer]["row_max_abs"], dtype=np.float64).ravel()
                      for layer in layers])
-  if maxima.shape[1] != batch * length:
-    raise ValueError(f"batch_shape {batch_shape} has {batch * length} rows, the layers "
-                     f"{maxima.shape[1]}")
   drawn, low, high = _heatmap_values(maxima)
 
   layers_height = float(np.clip(0.14 * len(layers), 2.5, 8.0))

@@ -107,7 +107,8 @@ class SEBPReport:
   that select their own rows although their shape is the mask's. With ``packed=True`` (Linen),
   ``packed`` lists the modules run on the real tokens only (a model's encoder or decoder
   stack, its language-model head) in ``capacity`` slots; the layers inside them are not listed
-  apart.
+  apart. A layer called more than once decides per call: one run on the tokens and again on
+  pooled rows (a shared projection) is listed both as swapped and as skipped, with the reason.
   """
   swapped: list[str] = dataclasses.field(default_factory=list)
   embeddings: list[str] = dataclasses.field(default_factory=list)

@@ -87,8 +87,8 @@ class RowLog:
       self._steps.clear()
 
   def summary(self) -> str:
-    """A table, one line per layer: backwards logged, active rows (mean, max), kept rows
-    (max), capacities run, largest dropped share."""
+    """A table, one line per layer: backwards logged, rows (the largest), active rows (mean,
+    max), kept rows (max), capacities run, largest dropped share."""
     by_layer: dict[str, list[dict]] = {}
     # Backwards run last layer first: reversed, the table reads in the forward's order.
     for record in reversed(self.records):
@@ -100,7 +100,7 @@ class RowLog:
       active = np.array([r["active"] for r in records])
       capacities = sorted({r["capacity"] for r in records})
       dropped = np.max([r["dropped_share"] for r in records])  # NaN when dY was not finite
-      lines.append(f"{layer:<{width}}  {len(records):5d}  {records[0]['rows']:5d}  "
+      lines.append(f"{layer:<{width}}  {len(records):5d}  {max(r['rows'] for r in records):5d}  "
                    f"{active.mean():9.1f}/{active.max():<6d}  {max(r['kept'] for r in records):9d}"
                    f"  {','.join(map(str, capacities)):>10}  {dropped:.3g}")
     return "\n".join(lines)

@@ -144,6 +144,26 @@ def test_plot_writes_png(tmp_path):
   assert unimodal.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_the_bins_the_estimate_used(tmp_path, monkeypatch):
+  from matplotlib.figure import Figure
+  drawn = []
+  save = Figure.savefig
+
+  def record_density(fig, *args, **kwargs):
+    drawn.extend(len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines()
+                 if line.get_label() == "smoothed density")
+    return save(fig, *args, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", record_density)
+  rng = np.random.default_rng(6)
+  noise, signal = _mixture(rng, 0.5, size=2000)
+  values = np.concatenate([noise, signal])
+  assert estimate_threshold(values, bins=48, plot=tmp_path / "a.png") == pytest.approx(
+      estimate_threshold(values, bins=48))
+  estimate_threshold(values, plot=tmp_path / "b.png")
+  assert drawn == [48, 200]
+
+
 def test_jax_input_and_shapes():
   rng = np.random.default_rng(11)
   noise, signal = _mixture(rng, 0.5, size=2048)
@@ -323,6 +343,21 @@ def test_plot_row_heatmap_rejects_what_it_cannot_draw(tmp_path, kwargs, match):
   records = _random_records(np.random.default_rng(4), rows=4 * 12)
   with pytest.raises(ValueError, match=match):
     plot_row_heatmap(records, tmp_path / "heatmap.png", **kwargs)
+
+
+def test_plot_row_heatmap_draws_the_token_layers_of_a_model_with_a_pooled_head(tmp_path):
+  """BERT's pooler and classifier run on B rows, its encoder on B * L: by default the heat map
+  draws the B * L layers; asked for a pooled layer, it names it."""
+  rng = np.random.default_rng(8)
+  records = (_random_records(rng, layers=("encoder/0/query", "encoder/0/value"), rows=4 * 12)
+             + _random_records(rng, layers=("pooler",), rows=4))
+  plot_row_heatmap(records, tmp_path / "heatmap.png", batch_shape=(4, 12))
+  assert (tmp_path / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match=r"pooler \(4\)"):
+    plot_row_heatmap(records, tmp_path / "all.png", batch_shape=(4, 12),
+                     layers=["encoder/0/query", "pooler"])
+  with pytest.raises(ValueError, match=r"no layer of step 0 has: they have \[4, 48\]"):
+    plot_row_heatmap(records, tmp_path / "none.png", batch_shape=(2, 12))
 
 
 def test_heatmap_draws_zeros_below_and_non_finite_rows_above_the_colour_scale():

@@ -315,6 +315,18 @@ def test_the_row_log_reports_a_nan_share_where_dy_is_not_finite(bad):
   assert "nan" in log.summary()
 
 
+def test_the_row_log_summary_shows_a_layers_largest_row_count():
+  """A layer run on batches of several lengths (a capacity ladder, the last batch of an
+  epoch) reads with its largest T, whichever step logged it."""
+  log = RowLog()
+  for rows in (64, 512, 32):
+    log.append("dense", active=rows // 2, kept=rows // 2, capacity=rows, dropped_share=0.0,
+               rows=rows, row_max_abs=None, row_squared_norm=None)
+  header, line = log.summary().splitlines()
+  assert line.split()[:3] == ["dense", "3", "512"]
+  assert header.split()[:3] == ["layer", "steps", "rows"]
+
+
 def test_no_rows_at_all():
   for top_n in ("auto", 4):
     dx, dkernel, dbias = linear_backward(jnp.ones((0, 3)), jnp.ones((3, 2)), jnp.ones((0, 2)),

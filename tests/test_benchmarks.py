@@ -232,7 +232,13 @@ def test_batch_sizes_give_each_modes_best_batch(capsys):
   assert best["sebp_packed"]["throughput_vs_longest_fast_attention"] == pytest.approx(
       best["sebp_packed"]["real_tokens_per_s"]
       / best["longest_dense_fast_attention"]["real_tokens_per_s"])
-  assert "best batch" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "best batch" in out
+  # The table says each row's batch size (a column after the devices).
+  lines = out.splitlines()
+  batch_column = lines[lines.index(next(l for l in lines if l.startswith("model "))) :]
+  assert batch_column[0].split()[3] == "batch"
+  assert sorted(int(line.split()[3]) for line in batch_column[2:6]) == [2, 2, 4, 4]
 
 
 @pytest.mark.slow
@@ -440,14 +446,17 @@ ENTRY %main.9 (p: bf16[4,8]) -> bf16[4,8] {
   assert profile_model.op_row("jit(f)/a/layers_12/0/1/b/dot") == "a/layers_*/*/*/b/dot"
 
 
-def test_the_carried_section_lengths_are_those_of_the_data(tmp_path, monkeypatch):
-  """benchmarks/lengths/ holds what token_lengths writes from data/: WikiText-2 sections."""
+def test_the_carried_lengths_are_those_of_the_data(tmp_path):
+  """benchmarks/lengths/ holds what token_lengths writes from data/: SST-2 dev sentences,
+  WikiText-2 paragraphs and sections."""
   from benchmarks import token_lengths
-  carried = (token_lengths.LENGTHS_DIR / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
-  monkeypatch.setattr(token_lengths, "LENGTHS_DIR", tmp_path)
-  token_lengths.main([])
-  written = (tmp_path / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
-  assert json.loads(written) == json.loads(carried)
+  token_lengths.main(["--out", str(tmp_path / "lengths")])
+  carried = sorted(path.name for path in token_lengths.LENGTHS_DIR.glob("*.json"))
+  assert sorted(path.name for path in (tmp_path / "lengths").iterdir()) == carried
+  for name in carried:
+    assert json.loads((tmp_path / "lengths" / name).read_text()) == json.loads(
+        (token_lengths.LENGTHS_DIR / name).read_text()), name
+  written = (tmp_path / "lengths" / "wikitext2_valid_sections_smollm2_bpe.json").read_text()
   lengths = np.asarray(json.loads(written)["lengths"])
   assert 400 < lengths.mean() < 600 and lengths.max() > 2000
 
