@@ -118,9 +118,11 @@ def _row_log_entry(row_log: RowLog | None, path: str):
 
 def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, row_map: _RowMap,
                     *, top_n, threshold: float, overflow: str, backend: str,
-                    active_rows: Array | None, row_log, batch_axes=None, mesh=None) -> Array:
+                    active_rows: Array | None, row_log, batch_axes=None, mesh=None,
+                    spec: str | None = None) -> Array:
   """The linear layer as :func:`sebp_linear` on rows: ``[*rows, *contracted] @ [*contracted,
-  *features] -> [*rows, *features]``, reshaped in and out."""
+  *features] -> [*rows, *features]``, reshaped in and out; an einsum layer's forward is its
+  ``spec``'s."""
   contracted_shape = jnp.shape(kernel)[:row_map.contracted_dims]
   if jnp.shape(inputs)[row_map.row_dims:] != contracted_shape:
     # A reshape to rows would accept any dims of the same total size, read in another order.
@@ -135,7 +137,9 @@ def _linear_forward(module, inputs: Array, kernel: Array, bias: Array | None, ro
                     top_n=resolve_top_n(top_n, math.prod(row_shape)), threshold=threshold,
                     overflow=overflow, precision=getattr(module, "precision", None),
                     backend=backend, active_rows=active_rows, dtype=dtype, row_log=row_log,
-                    batch_axes=batch_axes, mesh=mesh)
+                    batch_axes=batch_axes, mesh=mesh,
+                    einsum=None if spec is None else (spec.replace(" ", ""), contracted_shape,
+                                                      feature_shape))
   return out.reshape(*row_shape, *feature_shape)
 
 
@@ -435,10 +439,11 @@ class use_sebp(SEBPContext):
     if swap.kind == "embed":
       return self.shared_output(_embed_forward(module, inputs, **options), active_rows)
     if swap.kind == "linear":
-      kernel, bias = module.kernel, module.bias
+      kernel, bias, spec = module.kernel, module.bias, None
     else:
       kernel = getattr(module, swap.einsum.kernel)
       bias = getattr(module, swap.einsum.bias) if swap.einsum.bias else None
+      spec = getattr(module, swap.einsum.einsum_str)
     kernel, bias = kernel[...], None if bias is None else bias[...]
     # Checked here, not when swapping: a layer stacked for nnx.scan has its per-layer shapes
     # only inside the scan.
@@ -446,7 +451,8 @@ class use_sebp(SEBPContext):
       self.report.skipped[swap.path] = "bias not over the output's kernel dims"
       return dense_forward(module, inputs)
     return self.shared_output(_linear_forward(module, inputs, kernel, bias, row_map,
-                                              backend=swap.backend, **options), active_rows)
+                                              backend=swap.backend, spec=spec, **options),
+                              active_rows)
 
   def __enter__(self) -> SEBPReport:
     self.activate()

@@ -142,10 +142,24 @@ class _LinearConfig:
   grad_dtypes: tuple[Any, Any, Any]
   #: How the rows are split over devices (each shard selects its own), or None.
   sharding: RowSharding | None = None
+  #: ``(spec, contracted_shape, feature_shape)`` of an einsum layer whose rows these are
+  #: (:mod:`sebp_jax.nnx`): its forward, or None for ``nn.Dense``'s.
+  einsum: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
 
 
-def _dense_forward(x, kernel, bias, precision):
-  """``flax.linen.Dense``'s forward, op for op, so that the result is bit-identical."""
+def _dense_forward(x, kernel, bias, precision, einsum=None):
+  """``flax.linen.Dense``'s forward, op for op, so that the result is bit-identical; with
+  ``einsum``, that of ``nnx.Einsum`` (``jnp.einsum`` on the unflattened operands: it orders
+  the contracted dims its own way, so a matmul of the flattened rows would sum in another
+  order)."""
+  if einsum is not None:
+    spec, contracted, features = einsum
+    rows = x.shape[:-1]
+    y = jnp.einsum(spec, x.reshape(*rows, *contracted), kernel.reshape(*contracted, *features),
+                   precision=precision)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * len(rows) + tuple(features))
+    return y.reshape(*rows, math.prod(features))
   y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
@@ -155,7 +169,8 @@ def _dense_forward(x, kernel, bias, precision):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sebp_linear(x, kernel, bias, active_rows, config: _LinearConfig):
   del active_rows  # Only the backward uses it.
-  return _dense_forward(*promote_dtype(x, kernel, bias, dtype=config.dtype), config.precision)
+  return _dense_forward(*promote_dtype(x, kernel, bias, dtype=config.dtype), config.precision,
+                        config.einsum)
 
 
 def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
@@ -165,7 +180,7 @@ def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
   finite_x_rows = jnp.all(jnp.isfinite(x), axis=-1)
   # The bias only types its gradient, where Explicit mesh axes split the rows.
   typed_bias = bias if config.sharding is not None and config.sharding.explicit else None
-  return (_dense_forward(x, kernel, bias, config.precision),
+  return (_dense_forward(x, kernel, bias, config.precision, config.einsum),
           (x, kernel, typed_bias, active_rows, finite_x_rows))
 
 
@@ -208,7 +223,7 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
                 top_n: int | str = "auto", threshold: float = 0.0, overflow: str = "exact",
                 precision: Any = None, backend: str = "auto", active_rows: Array | None = None,
                 dtype: Any = None, row_log: Any = None, batch_axes: Any = None,
-                mesh: Any = None) -> Array:
+                mesh: Any = None, einsum: Any = None) -> Array:
   """``x @ kernel + bias`` with a backward from the active rows of dY only.
 
   A row of dY is *active* when its max ``|value|`` exceeds ``threshold`` or it holds NaN/Inf
@@ -258,6 +273,9 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
       among its own rows, ``top_n`` and ``active_rows`` are per shard
       (:mod:`sebp_jax.sharding`).
     mesh: the mesh of ``batch_axes``; None: the one of ``jax.set_mesh``.
+    einsum: ``(spec, contracted_shape, feature_shape)`` when x and kernel are an einsum
+      layer's operands flattened to rows (:mod:`sebp_jax.nnx`): the forward is then
+      ``jnp.einsum(spec, ...)`` on the unflattened operands, bit-identical to ``nnx.Einsum``.
 
   Returns:
     ``y: [..., N]``, bit-identical to ``flax.linen.Dense`` with the same params and dtype.
@@ -288,7 +306,7 @@ def sebp_linear(x: Array, kernel: Array, bias: Array | None = None, *,
                          row_log=row_log, precision=precision,
                          backend=backend, dtype=dtype,
                          grad_dtypes=(x.dtype, kernel.dtype, None if bias is None else bias.dtype),
-                         sharding=sharding)
+                         sharding=sharding, einsum=einsum)
   return checkpoint_name(_sebp_linear(x, kernel, bias, active_rows, config),
                          SEBP_CHECKPOINT_NAME)
 
