@@ -160,7 +160,9 @@ def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
                  batch_axes: tuple[str, ...] | None = None) -> RowSharding | None:
   """How the rows of ``x`` (its first ``num_row_dims`` dims) are split over devices; None for
   rows on one device, or split in a way that per-shard selection does not serve (a first
-  dimension the shards do not divide evenly).
+  dimension the shards do not divide evenly). Over ``Explicit`` axes of one device in all it
+  is one shard: the arrays are typed as split, which the selection's ops refuse outside the
+  ``shard_map``.
 
   ``batch_axes`` (with ``mesh``, or the mesh of ``jax.set_mesh``) names the axes that split
   the first dimension where the types do not tell (an ``Auto`` mesh). Under an ``Explicit``
@@ -189,8 +191,8 @@ def row_sharding(x: Array, num_row_dims: int, *, mesh: Any = None,
     # An array not typed as split (a host mask) on Explicit axes: split it for shard_map.
     sharding = RowSharding(mesh, tuple(batch_axes), explicit=any(
         kinds[axis] == AxisType.Explicit for axis in batch_axes))
-  if sharding.num_shards == 1:
-    return None
+  if sharding.num_shards == 1 and not sharding.explicit:
+    return None  # Arrays typed as split over a mesh of one device still need the shard_map.
   if jnp.shape(x)[0] % sharding.num_shards:
     _warn_undivided_rows(tuple(jnp.shape(x)[:num_row_dims]), sharding.axes,
                          sharding.num_shards)

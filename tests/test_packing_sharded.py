@@ -45,8 +45,13 @@ def tiny_models():
   return {"llama": llama, "bert": bert}
 
 
-def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((SHARDS,), ("data",), axis_types=(axis_type,), devices=CPUS[:SHARDS])
+def _mesh(axis_type=AxisType.Auto, shards=SHARDS):
+  return jax.make_mesh((shards,), ("data",), axis_types=(axis_type,), devices=CPUS[:shards])
+
+
+#: Mesh types and sizes: an Explicit mesh of one device (a script written for several run on
+#: one) still types the arrays as split.
+MESHES = [(AxisType.Auto, SHARDS), (AxisType.Explicit, SHARDS), (AxisType.Explicit, 1)]
 
 
 def _batch(seed, layout="right"):
@@ -282,20 +287,20 @@ def test_a_shard_without_real_tokens(models, kind, attention):
                                 else ("q_proj", "k_proj", "v_proj", "input_layernorm"))
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
-def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
+@pytest.mark.parametrize("axis_type,shards", MESHES, ids=str)
+def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type, shards):
   """gather, scatter and attention with a sharded layout equal each shard's own packing of
   its block, under either mesh type (transformers' Flax models do not run on an Explicit mesh
   with split ids, dense or not: their lookups take no out_sharding); each shard overflows
   its own capacity."""
   ids, mask, _ = _batch(6, "holes")
-  capacity = 32
-  counts = mask.reshape(SHARDS, -1).sum(axis=1)
+  capacity = 32 * SHARDS // shards
+  counts = mask.reshape(shards, -1).sum(axis=1)
   small = int(counts.max()) - 1
-  mesh = _mesh(axis_type)
+  mesh = _mesh(axis_type, shards)
   rng = np.random.default_rng(6)
   x = rng.normal(size=(BATCH, LENGTH, 8)).astype(np.float32)
-  qkv = [rng.normal(size=(1, SHARDS * capacity, 4, 8)).astype(np.float32) for _ in range(3)]
+  qkv = [rng.normal(size=(1, shards * capacity, 4, 8)).astype(np.float32) for _ in range(3)]
 
   def run(x, mask, q, k, v):
     layout = pack_layout(mask, capacity, row_sharding(mask, 2, batch_axes=("data",)))
@@ -309,8 +314,8 @@ def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
     got = [np.asarray(a) for a in jax.jit(run)(put(x, P("data")), put(mask, P("data")),
                                                *(put(a, P(None, "data")) for a in qkv))]
   np.testing.assert_array_equal(got[3], counts > small)
-  per = BATCH // SHARDS
-  for shard in range(SHARDS):
+  per = BATCH // shards
+  for shard in range(shards):
     block = slice(shard * per, (shard + 1) * per)
     slots = slice(shard * capacity, (shard + 1) * capacity)
     layout = pack_layout(mask[block], capacity)
@@ -322,14 +327,14 @@ def test_sharded_layout_runs_each_shard_on_its_own_layout(axis_type):
     np.testing.assert_allclose(got[2][:, slots], out, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
-def test_decoder_inputs_packed_per_shard_under_either_mesh_type(axis_type):
+@pytest.mark.parametrize("axis_type,shards", MESHES, ids=str)
+def test_decoder_inputs_packed_per_shard_under_either_mesh_type(axis_type, shards):
   """`pack_decoder_inputs` on a batch split over devices, under either mesh type (an Explicit
   one read from the mask's type): each shard's slots hold its block's own packing, and the
   one mask over every shard's slots keeps the shards' sequences apart."""
   ids, mask, _ = _batch(8, "holes")
-  capacity, window = 32, 3
-  mesh = _mesh(axis_type)
+  capacity, window = 32 * SHARDS // shards, 3
+  mesh = _mesh(axis_type, shards)
   axes = {} if axis_type == AxisType.Explicit else dict(batch_axes="data", mesh=mesh)
 
   def pack(ids, mask):
@@ -339,16 +344,16 @@ def test_decoder_inputs_packed_per_shard_under_either_mesh_type(axis_type):
   with jax.set_mesh(mesh):
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
     got = [np.asarray(a) for a in jax.jit(pack)(put(ids), put(mask))]
-  assert got[2].shape == (1, SHARDS * capacity, SHARDS * capacity)
-  per = BATCH // SHARDS
-  for shard in range(SHARDS):
+  assert got[2].shape == (1, shards * capacity, shards * capacity)
+  per = BATCH // shards
+  for shard in range(shards):
     block = slice(shard * per, (shard + 1) * per)
     slots = slice(shard * capacity, (shard + 1) * capacity)
     want = pack_decoder_inputs(ids[block], mask[block], capacity, window=window)
     np.testing.assert_array_equal(got[0][:, slots], want.input_ids)
     np.testing.assert_array_equal(got[1][:, slots], want.positions)
     np.testing.assert_array_equal(got[2][:, slots, slots], want.attention_mask)
-    others = np.ones(SHARDS * capacity, bool)
+    others = np.ones(shards * capacity, bool)
     others[slots] = False
     assert not got[2][:, slots][..., others].any()
 

@@ -29,6 +29,9 @@ from tests.reference import reference_take_grad
 CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 host devices (tests/conftest.py)")
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
+#: Mesh types and sizes: an Explicit mesh of one device (a script written for several run on
+#: one) still types the arrays as split.
+MESHES = [(AxisType.Auto, 4), (AxisType.Explicit, 4), (AxisType.Explicit, 1)]
 BATCH, LENGTH, FEATURES = 8, 16, 32
 
 
@@ -86,28 +89,30 @@ def _step(model, options_of):
 
 
 LINEN_CASES = {
-    # The shared index of a traced mask, capacity 32 of a shard's 64 rows.
-    "shared_traced": lambda mask: dict(active_mask=mask, top_n=32, overflow="nan"),
+    # The shared index of a traced mask, capacity 7/8 of a shard's rows (28 of 32 on 4).
+    "shared_traced": lambda mask, shards: dict(active_mask=mask, overflow="nan",
+                                               top_n=BATCH * LENGTH // shards * 7 // 8),
     # A host mask: the rung of the fullest shard, picked while tracing.
-    "shared_host": lambda mask: dict(active_mask=_mask(), top_n="auto"),
-    "shared_traced_auto": lambda mask: dict(active_mask=mask),
-    "per_layer": lambda mask: dict(top_n=16),
-    "per_layer_auto": lambda mask: dict(),
+    "shared_host": lambda mask, shards: dict(active_mask=_mask(), top_n="auto"),
+    "shared_traced_auto": lambda mask, shards: dict(active_mask=mask),
+    "per_layer": lambda mask, shards: dict(top_n=16),
+    "per_layer_auto": lambda mask, shards: dict(),
 }
 
 
 @pytest.mark.parametrize("case", sorted(LINEN_CASES))
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
-def test_linen_gradient_equals_one_device_and_adds_no_collective(axis_type, case):
+@pytest.mark.parametrize("axis_type,num_devices", MESHES, ids=str)
+def test_linen_gradient_equals_one_device_and_adds_no_collective(axis_type, num_devices, case):
   model, params, inputs = _linen_case(axis_type)
   mask = _mask()
   want = _step(model, lambda m: None)(params, inputs, mask)
-  mesh = _mesh(axis_type)
+  mesh = _mesh(axis_type, shape=(num_devices,))
   with jax.set_mesh(mesh):
     args = (_put(params, mesh, P()), *_put((inputs, mask), mesh, P("data")))
     # Explicit: from the types, but for a host mask, which has no split of its own.
     batch_axes = "data" if axis_type == AxisType.Auto or case == "shared_host" else None
-    sebp = _step(model, lambda m: dict(LINEN_CASES[case](m), batch_axes=batch_axes))
+    sebp = _step(model, lambda m: dict(LINEN_CASES[case](m, num_devices),
+                                       batch_axes=batch_axes))
     assert_every_gradient_close(sebp(*args), want, rtol=2e-5)
     dense = _step(model, lambda m: None)
     assert (collective_counts(sebp.lower(*args).compile())
@@ -175,7 +180,7 @@ def test_fsdp_params_communicate_as_the_dense_step(axis_type):
     def loss(params, inputs, mask):
       if axis_type == AxisType.Explicit:  # Explicit FSDP: the step gathers its weights.
         params = jax.tree.map(lambda p: jax.sharding.reshard(p, P()), params)
-      options = options_of(mask)
+      options = options_of(mask, 4)
       if options is None:
         return _masked_loss(model.apply(params, inputs), mask)
       with use_sebp(backend="xla", batch_axes="data", **options):
@@ -184,7 +189,7 @@ def test_fsdp_params_communicate_as_the_dense_step(axis_type):
 
   with jax.set_mesh(mesh):
     args = (jax.device_put(params, shardings), *_put((inputs, mask), mesh, P("data")))
-    dense = collective_counts(step_of(lambda m: None).lower(*args).compile())
+    dense = collective_counts(step_of(lambda m, shards: None).lower(*args).compile())
     assert dense.get("all-gather", 0) > 0  # The weights are gathered, as FSDP does.
     for options_of in (LINEN_CASES["shared_traced"], LINEN_CASES["per_layer"]):
       sebp = step_of(options_of)
@@ -473,8 +478,8 @@ class _NNXTagger(nnx.Module):
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_index", "per_layer"])
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=str)
-def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared):
+@pytest.mark.parametrize("axis_type,num_devices", MESHES, ids=str)
+def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, num_devices, shared):
   explicit = axis_type == AxisType.Explicit
   _, _, inputs = _linen_case(axis_type)
   model = _NNXTagger(nnx.Rngs(0), with_embed=not explicit)
@@ -483,7 +488,9 @@ def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared
   def loss(model, inputs, mask, sebp):
     if not sebp:
       return _masked_loss(model(inputs).reshape(BATCH, LENGTH, -1), mask)
-    options = dict(active_mask=mask, top_n=32, overflow="nan") if shared else dict(top_n=16)
+    options = (dict(active_mask=mask, overflow="nan",
+                    top_n=token_capacity(_mask(5), multiple=8, num_shards=num_devices))
+               if shared else dict(top_n=16))
     with sebp_nnx.use_sebp(model, backend="xla", batch_axes=None if explicit else "data",
                            **options) as report:
       outputs = model(inputs)
@@ -494,7 +501,7 @@ def test_nnx_gradient_equals_one_device_and_adds_no_collective(axis_type, shared
     return nnx.state(nnx.grad(loss)(model, *args, sebp), nnx.Param)
 
   want = grads(model, inputs, mask, sebp=False)
-  mesh = _mesh(axis_type)
+  mesh = _mesh(axis_type, shape=(num_devices,))
   with jax.set_mesh(mesh):
     args = _put((inputs, mask), mesh, P("data"))
     step = nnx.jit(grads, static_argnames="sebp")
