@@ -139,7 +139,8 @@ def choose_implementation(backend: str, *, num_rows: int, in_features: int,
 
 
 def choose_counted(backend: str, *, plan: tuple[int, ...], num_rows: int, in_features: int,
-                   out_features: int, itemsize: int, platform: str | None = None) -> str | None:
+                   out_features: int, itemsize: int, platform: str | None = None,
+                   varying: bool = False) -> str | None:
   """The implementation that runs once, on an index of every candidate row, where ``plan``
   (the capacities, smallest first) leaves the choice to run time; None for a run-time branch
   between the capacities.
@@ -147,13 +148,15 @@ def choose_counted(backend: str, *, plan: tuple[int, ...], num_rows: int, in_fea
   An explicit ``backend`` runs once where its cost follows the rows it is handed
   (``follows_count``); ``"auto"`` runs :data:`COUNTED_BACKEND` once on a GPU, for 16-bit
   operands (the kernels' rates were fitted to those), where the cost model predicts it ahead
-  of the branches.
+  of the branches, and not where the operands are ``varying`` over the manual axes of a
+  ``jax.shard_map`` with ``check_vma=True`` (``fsdp_loss``'s): a ``pallas_call`` there
+  needs each output's varying axes, which its kernels do not give.
   """
   if len(plan) < 2:
     return None
   if backend != "auto":
     return backend if get_implementation(backend).follows_count else None
-  if ((platform or jax.default_backend()) == "gpu" and itemsize == 2
+  if (not varying and (platform or jax.default_backend()) == "gpu" and itemsize == 2
       and get_implementation(COUNTED_BACKEND).follows_count
       and GPU_COST_MODEL.counted_wins(num_rows, in_features, out_features, plan, itemsize)):
     return COUNTED_BACKEND

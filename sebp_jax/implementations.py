@@ -193,6 +193,13 @@ def pallas_triton_backward(x, kernel, dy, active_rows, *, with_bias, precision=N
   return spread_rows(dx_kept.astype(x.dtype), active_rows, x.shape[0]), dkernel, dbias
 
 
+def varying_axes(array: Array) -> frozenset[str]:
+  """The manual mesh axes ``array`` varies over: inside a ``jax.shard_map`` with
+  ``check_vma=True``, those its values differ across; empty elsewhere."""
+  manual = getattr(jax.typeof(array), "manual_axis_type", None)
+  return frozenset() if manual is None else frozenset(manual.varying)
+
+
 def on_hopper() -> bool:
   """Whether the default device is a Hopper GPU (sm_90), where Mosaic GPU's kernels run."""
   device = jax.devices()[0]

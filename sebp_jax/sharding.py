@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
+from sebp_jax.implementations import varying_axes
 from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
 from sebp_jax.selection import validate_top_n
 
@@ -226,15 +227,12 @@ def vary_alike(*arrays: Array | None, dtype: Any = None) -> tuple[Array | None, 
   transpose. With ``dtype`` (the op's compute dtype, which it casts to anyway), a floating
   array made to vary is cast to it first, so that the sum crosses devices in it, as the dense
   op's does."""
-  def vary(array):
-    manual = getattr(jax.typeof(array), "manual_axis_type", None)
-    return frozenset() if manual is None else frozenset(manual.varying)
-
-  axes = frozenset().union(*(vary(a) for a in arrays if a is not None))
-  return tuple(a if a is None or vary(a) >= axes
-               else jax.lax.pcast(_floating_as(a, dtype), tuple(sorted(axes - vary(a))),
+  axes = frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
+  return tuple(a if a is None or varying_axes(a) >= axes
+               else jax.lax.pcast(_floating_as(a, dtype), tuple(sorted(axes - varying_axes(a))),
                                   to="varying")
                for a in arrays)
+
 
 
 def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None, ...],

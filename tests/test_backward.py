@@ -172,6 +172,34 @@ def test_auto_on_a_gpu_runs_the_counted_kernels_where_the_cost_model_says(monkey
                           tolerance=1e-2)
 
 
+def test_auto_inside_a_shard_map_checking_varying_axes_keeps_the_xla_branches(monkeypatch):
+  """In a ``jax.shard_map`` with ``check_vma=True`` (``fsdp_loss``'s) a ``pallas_call`` needs
+  its outputs' varying axes, which the kernels do not give: there ``"auto"`` keeps XLA's
+  branches on a GPU too (the platform faked), and the gradient is the dense one."""
+  from jax.sharding import PartitionSpec as P
+
+  from sebp_jax.ops import sebp_linear
+  monkeypatch.setattr(backward_module, "choose_counted",
+                      functools.partial(cost_model.choose_counted, platform="gpu"))
+  x, kernel, dy = (a.astype(jnp.bfloat16) for a in _problem(3, num_nonzero=40, num_rows=256))
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices("cpu")[:2])
+
+  def grads(x, kernel, dy, sebp):
+    def loss(x, kernel):
+      y = sebp_linear(x, kernel, backend="auto") if sebp else x @ kernel
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1))(x, kernel)
+
+  step = jax.jit(jax.shard_map(functools.partial(grads, sebp=True), mesh=mesh,
+                               in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P()),
+                               check_vma=True))
+  assert branches(jax.make_jaxpr(step)(x, kernel, dy).jaxpr)  # XLA's run-time branches
+  for got, want in zip(step(x, kernel, dy), grads(x, kernel, dy, sebp=False)):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=5e-2)
+
+
 def _passes_over_rows(jaxpr) -> int:
   """How many ``abs`` of a 2-D array (a pass that scores rows of dY) a jaxpr holds."""
   count = 0

@@ -97,6 +97,8 @@ def test_auto_on_gpu_runs_once_where_the_cost_model_says(case, expected):
   plan = (*capacity_ladder(case["num_rows"]), case["num_rows"])
   assert choose_counted("auto", plan=plan, platform="gpu", **case) == expected
   assert choose_counted("auto", plan=plan, platform="cpu", **case) is None
+  # Operands varying over a shard_map's manual axes: no pallas_call (it needs their types).
+  assert choose_counted("auto", plan=plan, platform="gpu", varying=True, **case) is None
 
 
 def test_the_counted_model_weighs_the_branch_against_the_kernels():
