@@ -37,12 +37,14 @@ Registered here:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec as P
 
 Array = jax.Array
 
@@ -200,6 +202,42 @@ def varying_axes(array: Array) -> frozenset[str]:
   return frozenset() if manual is None else frozenset(manual.varying)
 
 
+def _explicit_axes_in_context() -> tuple[str, ...]:
+  """The axes of the context's mesh that are ``Explicit`` (not manual, not ``Auto``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == AxisType.Explicit)
+
+
+def _with_auto_axes(backward: Backward) -> Backward:
+  """``backward`` (Pallas kernels) with the context mesh's ``Explicit`` axes made ``Auto``
+  around it, where any is: a mesh whose rows are not split (no ``row_sharding``), or one of
+  several axes whose rows are split over some (the others stay ``Explicit`` inside
+  :func:`sebp_jax.sharding.map_row_shards`'s ``shard_map``). A ``pallas_call`` refuses
+  operands typed as split ("requires all mesh axes to be Manual"), and JAX's interpreter
+  fails on a ``pl.when`` there (its ``cond`` types its outputs on no mesh, which the
+  ``dynamic_update_slice`` writing the block back refuses). The gradients come back typed
+  as the arrays they are the gradients of.
+  """
+  @functools.wraps(backward)
+  def run(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
+          dkernel_dtype=None):
+    explicit = _explicit_axes_in_context()
+    if not explicit:
+      return backward(x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
+                      poison=poison, dkernel_dtype=dkernel_dtype)
+    kernel_spec = jax.typeof(kernel).sharding.spec
+    bias_spec = P(kernel_spec[1] if len(kernel_spec) > 1 else None)
+    specs = (jax.typeof(x).sharding.spec, kernel_spec, bias_spec if with_bias else None)
+    # The arrays positionally: auto_axes moves its positional arguments onto the new mesh.
+    return jax.sharding.auto_axes(
+        lambda x, kernel, dy, active_rows, poison: backward(
+            x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
+            poison=poison, dkernel_dtype=dkernel_dtype),
+        axes=explicit, out_sharding=specs)(x, kernel, dy, active_rows, poison)
+  return run
+
+
 def on_hopper() -> bool:
   """Whether the default device is a Hopper GPU (sm_90), where Mosaic GPU's kernels run."""
   device = jax.devices()[0]
@@ -251,6 +289,8 @@ def pallas_backward(x, kernel, dy, active_rows, *, with_bias, precision=None, po
 
 register_implementation("dense", dense_backward, takes_index=False)
 register_implementation("xla", xla_backward)
-register_implementation("pallas", pallas_backward, follows_count=True)
-register_implementation("pallas_triton", pallas_triton_backward, follows_count=True)
-register_implementation("pallas_mosaic", pallas_mosaic_backward, follows_count=True)
+register_implementation("pallas", _with_auto_axes(pallas_backward), follows_count=True)
+register_implementation("pallas_triton", _with_auto_axes(pallas_triton_backward),
+                        follows_count=True)
+register_implementation("pallas_mosaic", _with_auto_axes(pallas_mosaic_backward),
+                        follows_count=True)

@@ -718,21 +718,28 @@ def test_collective_sizes_read_every_element_type_and_async_start():
     collective_counts(lowered)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("x_spec,kernel_spec,bias_spec", [
     (P("data"), P(None, "model"), P("model")),  # The kernel's columns and bias split.
     (P("data", "model"), P(), P()),  # A sequence axis split too.
+    (P(), P(), P()),  # Rows not split: the backward runs on the Explicit axes themselves.
 ], ids=str)
 def test_ops_on_a_two_dimensional_explicit_mesh_give_grads_typed_as_their_inputs(
-    x_spec, kernel_spec, bias_spec):
-  """sebp_linear on an Explicit data x model mesh, rows split over "data": one device's
-  gradients, each typed as the array it is the gradient of."""
+    x_spec, kernel_spec, bias_spec, backend):
+  """sebp_linear on an Explicit data x model mesh, rows split over "data" (the shard_map
+  leaves "model" Explicit) or not split: one device's gradients, each typed as the array it
+  is the gradient of. The Pallas kernels too (interpreted on CPU): a pallas_call refuses
+  operands typed as split, and JAX's interpreter fails under an Explicit axis, unless the
+  backend makes the axes Auto around them."""
+  if backend == "pallas" and jax.default_backend() != "cpu":
+    pytest.skip("the kernels interpret only where the default backend is the CPU")
   keys = jax.random.split(jax.random.key(7), 3)
   x = jax.random.normal(keys[0], (BATCH, 4, 6))
   kernel, bias = jax.random.normal(keys[1], (6, 8)), jax.random.normal(keys[2], (8,))
   mask = _mask(5, length=4)
 
   def loss(x, kernel, bias, sebp):
-    y = (sebp_linear(x, kernel, bias, top_n=3, backend="xla") if sebp
+    y = (sebp_linear(x, kernel, bias, top_n=3, backend=backend) if sebp
          else jnp.einsum("bld,dn->bln", x, kernel) + bias)
     return _masked_loss(y, mask)
 
