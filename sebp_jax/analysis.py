@@ -361,6 +361,8 @@ def plot_row_heatmap(records, path, *, batch_shape: tuple[int, int], step: int =
       raise ValueError(f"batch_shape {batch_shape} has {batch * length} rows, no layer of "
                        f"step {step} has: they have {sorted(set(rows_of.values()))}")
   layers = list(layers)
+  if not layers and rows_of:
+    raise ValueError("layers is empty: name at least one layer to draw")
   missing = [layer for layer in layers if layer not in at_step]
   if missing:
     raise ValueError(f"no record of step {step} for layers {missing[:5]}")

@@ -37,7 +37,7 @@ from jax import lax
 
 from sebp_jax.cost_model import choose_counted, choose_implementation
 from sebp_jax.implementations import (accumulation_dtype, gather_rows, get_implementation,
-                                      varying_axes, with_poison)
+                                      checks_varying_axes, with_poison)
 from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
                                 select_from_scores, threshold_below)
 
@@ -235,7 +235,7 @@ def linear_backward(x: Array, kernel: Array, dy: Array, *, top_n: int | str,
   counted_backend = choose_counted(backend, plan=plan, num_rows=num_rows,
                                    in_features=in_features, out_features=kernel.shape[1],
                                    itemsize=dy.dtype.itemsize,
-                                   varying=any(map(varying_axes, (x, kernel, dy))))
+                                   varying=checks_varying_axes(x, kernel, dy))
   counted = counted_backend is not None
   if counted:
     plan = (num_candidates,)

@@ -148,9 +148,9 @@ def choose_counted(backend: str, *, plan: tuple[int, ...], num_rows: int, in_fea
   An explicit ``backend`` runs once where its cost follows the rows it is handed
   (``follows_count``); ``"auto"`` runs :data:`COUNTED_BACKEND` once on a GPU, for 16-bit
   operands (the kernels' rates were fitted to those), where the cost model predicts it ahead
-  of the branches, and not where the operands are ``varying`` over the manual axes of a
-  ``jax.shard_map`` with ``check_vma=True`` (``fsdp_loss``'s): a ``pallas_call`` there
-  needs each output's varying axes, which its kernels do not give.
+  of the branches, and not where ``varying`` (in a ``jax.shard_map`` with ``check_vma=True``,
+  ``fsdp_loss``'s): a ``pallas_call`` there must say how each output varies over the
+  devices, which its kernels do not.
   """
   if len(plan) < 2:
     return None

@@ -202,18 +202,36 @@ def varying_axes(array: Array) -> frozenset[str]:
   return frozenset() if manual is None else frozenset(manual.varying)
 
 
-def _explicit_axes_in_context() -> tuple[str, ...]:
-  """The axes of the context's mesh that are ``Explicit`` (not manual, not ``Auto``)."""
-  mesh = jax.sharding.get_abstract_mesh()
+def checks_varying_axes(*arrays: Array) -> bool:
+  """Whether this traces inside a ``jax.shard_map`` with ``check_vma=True``, where a
+  ``pallas_call`` must say how each output varies over the devices: JAX's own flag, which
+  ``pallas_call`` reads (private: on a version without it, whether any of ``arrays``
+  varies)."""
+  from jax._src import config
+  flag = getattr(config, "_check_vma", None)
+  if flag is not None:
+    return bool(flag.value)
+  return any(varying_axes(a) for a in arrays)
+
+
+def explicit_axes(mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh) -> tuple[str, ...]:
+  """The axes of ``mesh`` that are ``Explicit`` (not manual, not ``Auto``)."""
   return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                if kind == AxisType.Explicit)
 
 
+def explicit_axes_in_context() -> tuple[str, ...]:
+  """The ``Explicit`` axes of the mesh this traces under (``jax.set_mesh``, less the manual
+  axes of a ``jax.shard_map``)."""
+  return explicit_axes(jax.sharding.get_abstract_mesh())
+
+
 def _with_auto_axes(backward: Backward) -> Backward:
   """``backward`` (Pallas kernels) with the context mesh's ``Explicit`` axes made ``Auto``
-  around it, where any is: a mesh whose rows are not split (no ``row_sharding``), or one of
-  several axes whose rows are split over some (the others stay ``Explicit`` inside
-  :func:`sebp_jax.sharding.map_row_shards`'s ``shard_map``). A ``pallas_call`` refuses
+  around it, where any is: a mesh of several axes whose rows are split over some (the others
+  stay ``Explicit`` inside :func:`sebp_jax.sharding.map_row_shards`'s ``shard_map``; where
+  the rows are not split, :func:`sebp_jax.ops.sebp_linear` makes them ``Auto`` around the
+  whole backward). A ``pallas_call`` refuses
   operands typed as split ("requires all mesh axes to be Manual"), and JAX's interpreter
   fails on a ``pl.when`` there (its ``cond`` types its outputs on no mesh, which the
   ``dynamic_update_slice`` writing the block back refuses). The gradients come back typed
@@ -222,7 +240,7 @@ def _with_auto_axes(backward: Backward) -> Backward:
   @functools.wraps(backward)
   def run(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
           dkernel_dtype=None):
-    explicit = _explicit_axes_in_context()
+    explicit = explicit_axes_in_context()
     if not explicit:
       return backward(x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
                       poison=poison, dkernel_dtype=dkernel_dtype)

@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sebp_jax.backward import (OVERFLOW_MODES, embedding_kept_count, embedding_rows,
                                linear_backward, scatter_into_table, sum_rows_of_equal_ids)
-from sebp_jax.implementations import implementation_names
+from sebp_jax.implementations import explicit_axes_in_context, implementation_names
 from sebp_jax.selection import validate_threshold, validate_top_n
 from sebp_jax.sharding import (RowSharding, gather_row_shards, map_row_shards,
                                normalize_batch_axes, row_sharding, vary_alike)
@@ -178,8 +178,10 @@ def _sebp_linear_fwd(x, kernel, bias, active_rows, config: _LinearConfig):
   # Which rows of x are finite, for the backward (linear_backward's finite_x_rows): reduced
   # here, where XLA can fuse the pass with whatever wrote x.
   finite_x_rows = jnp.all(jnp.isfinite(x), axis=-1)
-  # The bias only types its gradient, where Explicit mesh axes split the rows.
-  typed_bias = bias if config.sharding is not None and config.sharding.explicit else None
+  # The bias only types its gradient, under Explicit mesh axes.
+  explicit = (config.sharding is not None and config.sharding.explicit
+              or explicit_axes_in_context())
+  typed_bias = bias if explicit else None
   return (_dense_forward(x, kernel, bias, config.precision, config.einsum),
           (x, kernel, typed_bias, active_rows, finite_x_rows))
 
@@ -204,7 +206,16 @@ def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
   x, kernel, bias, active_rows, finite_x_rows = residuals
   grads = functools.partial(_linear_grads, config)
   if config.sharding is None:
-    (dx,), (dkernel, dbias) = grads((x, dy, active_rows, finite_x_rows), (kernel,))
+    def run(x, dy, active_rows, finite_x_rows, kernel):
+      return grads((x, dy, active_rows, finite_x_rows), (kernel,))
+    explicit = explicit_axes_in_context()
+    if explicit:
+      # Rows not split over the Explicit axes (weights or features split, tensor or sequence
+      # parallel): XLA partitions the backward, each gradient typed as its array.
+      spec = lambda a: None if a is None else jax.typeof(a).sharding.spec  # noqa: E731
+      run = jax.sharding.auto_axes(run, axes=explicit,
+                                   out_sharding=((spec(x),), (spec(kernel), spec(bias))))
+    (dx,), (dkernel, dbias) = run(x, dy, active_rows, finite_x_rows, kernel)
   else:
     (dx,), (dkernel, dbias) = map_row_shards(
         grads, config.sharding, rows=(x, dy, active_rows, finite_x_rows), whole=(kernel,),

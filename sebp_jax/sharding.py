@@ -51,7 +51,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
-from sebp_jax.implementations import varying_axes
+from sebp_jax.implementations import explicit_axes, varying_axes
 from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
 from sebp_jax.selection import validate_top_n
 
@@ -121,8 +121,7 @@ def _explicit_row_axes(x: Array) -> tuple[Any, tuple[str, ...]]:
   if mesh is None or not mesh.shape:
     return None, ()
   spec = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == AxisType.Explicit}
+  explicit = explicit_axes(mesh)
   first = tuple(a for a in _axis_names(spec[0]) if a in explicit)
   return mesh, first
 
@@ -232,7 +231,6 @@ def vary_alike(*arrays: Array | None, dtype: Any = None) -> tuple[Array | None, 
                else jax.lax.pcast(_floating_as(a, dtype), tuple(sorted(axes - varying_axes(a))),
                                   to="varying")
                for a in arrays)
-
 
 
 def map_row_shards(fn: Callable, sharding: RowSharding, rows: tuple[Array | None, ...],

@@ -338,6 +338,7 @@ def test_plot_row_heatmap_writes_png(tmp_path):
     ({"batch_shape": (5, 12)}, "batch_shape"),
     ({"batch_shape": (4, 12), "step": 7}, "no record of step 7"),
     ({"batch_shape": (4, 12), "layers": ["missing"]}, "missing"),
+    ({"batch_shape": (4, 12), "layers": []}, "layers is empty"),
 ])
 def test_plot_row_heatmap_rejects_what_it_cannot_draw(tmp_path, kwargs, match):
   records = _random_records(np.random.default_rng(4), rows=4 * 12)

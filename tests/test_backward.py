@@ -172,10 +172,13 @@ def test_auto_on_a_gpu_runs_the_counted_kernels_where_the_cost_model_says(monkey
                           tolerance=1e-2)
 
 
-def test_auto_inside_a_shard_map_checking_varying_axes_keeps_the_xla_branches(monkeypatch):
+@pytest.mark.parametrize("split", [True, False], ids=["rows_split", "replicated"])
+def test_auto_inside_a_shard_map_checking_varying_axes_keeps_the_xla_branches(monkeypatch,
+                                                                               split):
   """In a ``jax.shard_map`` with ``check_vma=True`` (``fsdp_loss``'s) a ``pallas_call`` needs
-  its outputs' varying axes, which the kernels do not give: there ``"auto"`` keeps XLA's
-  branches on a GPU too (the platform faked), and the gradient is the dense one."""
+  its outputs' varying axes, which the kernels do not give, even where no operand varies:
+  there ``"auto"`` keeps XLA's branches on a GPU too (the platform faked), and the gradient
+  is the dense one."""
   from jax.sharding import PartitionSpec as P
 
   from sebp_jax.ops import sebp_linear
@@ -191,8 +194,9 @@ def test_auto_inside_a_shard_map_checking_varying_axes_keeps_the_xla_branches(mo
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1))(x, kernel)
 
+  rows = P("data") if split else P()
   step = jax.jit(jax.shard_map(functools.partial(grads, sebp=True), mesh=mesh,
-                               in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P()),
+                               in_specs=(rows, P(), rows), out_specs=(rows, P()),
                                check_vma=True))
   assert branches(jax.make_jaxpr(step)(x, kernel, dy).jaxpr)  # XLA's run-time branches
   for got, want in zip(step(x, kernel, dy), grads(x, kernel, dy, sebp=False)):

@@ -722,15 +722,19 @@ def test_collective_sizes_read_every_element_type_and_async_start():
 @pytest.mark.parametrize("x_spec,kernel_spec,bias_spec", [
     (P("data"), P(None, "model"), P("model")),  # The kernel's columns and bias split.
     (P("data", "model"), P(), P()),  # A sequence axis split too.
-    (P(), P(), P()),  # Rows not split: the backward runs on the Explicit axes themselves.
+    # Rows not split over "data": the backward runs with the Explicit axes made Auto.
+    (P(), P(), P()),
+    (P(None, "model"), P(), P()),  # Sequence parallel: rows flattened across a split dim.
+    (P(), P("model"), P()),  # The contracted dim split (tensor parallel, row-split kernel).
+    (P(), P(None, "model"), P()),  # The kernel's columns split, the bias not.
 ], ids=str)
 def test_ops_on_a_two_dimensional_explicit_mesh_give_grads_typed_as_their_inputs(
     x_spec, kernel_spec, bias_spec, backend):
   """sebp_linear on an Explicit data x model mesh, rows split over "data" (the shard_map
   leaves "model" Explicit) or not split: one device's gradients, each typed as the array it
-  is the gradient of. The Pallas kernels too (interpreted on CPU): a pallas_call refuses
-  operands typed as split, and JAX's interpreter fails under an Explicit axis, unless the
-  backend makes the axes Auto around them."""
+  is the gradient of, wherever the dense layer runs. The Pallas kernels too (interpreted on
+  CPU): a pallas_call refuses operands typed as split, and JAX's interpreter fails under an
+  Explicit axis, unless the backend makes the axes Auto around them."""
   if backend == "pallas" and jax.default_backend() != "cpu":
     pytest.skip("the kernels interpret only where the default backend is the CPU")
   keys = jax.random.split(jax.random.key(7), 3)
