@@ -1006,3 +1006,38 @@ def test_data_parallel_on_gpus(case, backend):
   assert_every_gradient_close(sebp(*args, True), want, rtol=2e-5)
   assert (collective_counts(sebp.lower(*args, True).compile())
           == collective_counts(sebp.lower(*args, False).compile()))
+
+
+@pytest.mark.skipif(not GPUS, reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["pallas", "pallas_triton"])
+@pytest.mark.parametrize("x_spec,kernel_spec,bias_spec", [
+    (P("data"), P(None, "model"), P("model")),  # Rows split: "model" Explicit in the shard_map.
+    (P(), P(None, "model"), P()),  # Rows not split: the whole backward with the axes Auto.
+], ids=str)
+def test_compiled_kernels_on_an_explicit_mesh_of_one_gpu(x_spec, kernel_spec, bias_spec,
+                                                          backend):
+  """The compiled kernels (a pallas_call refuses operands typed as split) on a data x model
+  Explicit mesh of one GPU, counted (top_n="auto"): the dense gradient, typed as the inputs."""
+  keys = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(keys[0], (BATCH, LENGTH, 64), jnp.bfloat16)
+  kernel = jax.random.normal(keys[1], (64, 128), jnp.bfloat16) * 0.1
+  bias = jax.random.normal(keys[2], (128,), jnp.bfloat16)
+  mask = _mask(9)
+
+  def loss(x, kernel, bias, sebp):
+    y = (sebp_linear(x, kernel, bias, backend=backend) if sebp
+         else jnp.einsum("bld,dn->bln", x, kernel) + bias)
+    return _masked_loss(y.astype(jnp.float32), mask)
+
+  mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=GPUS[:1])
+  with jax.set_mesh(mesh):
+    args = tuple(_put(a, mesh, spec) for a, spec in
+                 zip((x, kernel, bias), (x_spec, kernel_spec, bias_spec)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    got, want = grad(*args, True), grad(*args, False)
+  for g, w, arg in zip(got, want, args):
+    g, w_values = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w_values, rtol=2e-2, atol=2e-2 * np.max(np.abs(w_values)))
+  for g, arg in zip(got, args):
+    assert jax.typeof(g).sharding.spec == jax.typeof(arg).sharding.spec
