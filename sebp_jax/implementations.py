@@ -226,33 +226,38 @@ def explicit_axes_in_context() -> tuple[str, ...]:
   return explicit_axes(jax.sharding.get_abstract_mesh())
 
 
+def with_explicit_axes_auto(fn: Callable, out_sharding) -> Callable:
+  """``fn`` with the context mesh's ``Explicit`` axes made ``Auto`` around it
+  (``jax.sharding.auto_axes``: XLA partitions it), its outputs typed by ``out_sharding``, a
+  pytree of specs; ``fn`` itself where no axis is ``Explicit``. Arrays go in positionally:
+  ``auto_axes`` moves its positional arguments onto the new mesh."""
+  explicit = explicit_axes_in_context()
+  if not explicit:
+    return fn
+  return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_sharding)
+
+
 def _with_auto_axes(backward: Backward) -> Backward:
-  """``backward`` (Pallas kernels) with the context mesh's ``Explicit`` axes made ``Auto``
-  around it, where any is: a mesh of several axes whose rows are split over some (the others
-  stay ``Explicit`` inside :func:`sebp_jax.sharding.map_row_shards`'s ``shard_map``; where
-  the rows are not split, :func:`sebp_jax.ops.sebp_linear` makes them ``Auto`` around the
-  whole backward). A ``pallas_call`` refuses
-  operands typed as split ("requires all mesh axes to be Manual"), and JAX's interpreter
-  fails on a ``pl.when`` there (its ``cond`` types its outputs on no mesh, which the
-  ``dynamic_update_slice`` writing the block back refuses). The gradients come back typed
-  as the arrays they are the gradients of.
+  """``backward`` (Pallas kernels) under :func:`with_explicit_axes_auto`. Inside
+  :func:`sebp_jax.sharding.map_row_shards`'s ``shard_map`` the axes the rows are not split
+  over stay ``Explicit`` (where the rows are not split at all, :func:`sebp_jax.ops.sebp_linear`
+  makes them ``Auto`` around the whole backward); a ``pallas_call`` refuses operands typed as
+  split ("requires all mesh axes to be Manual"), and JAX's interpreter fails on a ``pl.when``
+  there (its ``cond`` types its outputs on no mesh, which the ``dynamic_update_slice``
+  writing the block back refuses). The gradients come back typed as the arrays they are the
+  gradients of.
   """
   @functools.wraps(backward)
   def run(x, kernel, dy, active_rows, *, with_bias, precision=None, poison=None,
           dkernel_dtype=None):
-    explicit = explicit_axes_in_context()
-    if not explicit:
-      return backward(x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
-                      poison=poison, dkernel_dtype=dkernel_dtype)
     kernel_spec = jax.typeof(kernel).sharding.spec
     bias_spec = P(kernel_spec[1] if len(kernel_spec) > 1 else None)
     specs = (jax.typeof(x).sharding.spec, kernel_spec, bias_spec if with_bias else None)
-    # The arrays positionally: auto_axes moves its positional arguments onto the new mesh.
-    return jax.sharding.auto_axes(
+    return with_explicit_axes_auto(
         lambda x, kernel, dy, active_rows, poison: backward(
             x, kernel, dy, active_rows, with_bias=with_bias, precision=precision,
             poison=poison, dkernel_dtype=dkernel_dtype),
-        axes=explicit, out_sharding=specs)(x, kernel, dy, active_rows, poison)
+        specs)(x, kernel, dy, active_rows, poison)
   return run
 
 

@@ -37,7 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sebp_jax.backward import (OVERFLOW_MODES, embedding_kept_count, embedding_rows,
                                linear_backward, scatter_into_table, sum_rows_of_equal_ids)
-from sebp_jax.implementations import explicit_axes_in_context, implementation_names
+from sebp_jax.implementations import (explicit_axes_in_context, implementation_names,
+                                      with_explicit_axes_auto)
 from sebp_jax.selection import validate_threshold, validate_top_n
 from sebp_jax.sharding import (RowSharding, gather_row_shards, map_row_shards,
                                normalize_batch_axes, row_sharding, vary_alike)
@@ -208,13 +209,10 @@ def _sebp_linear_bwd(config: _LinearConfig, residuals, dy):
   if config.sharding is None:
     def run(x, dy, active_rows, finite_x_rows, kernel):
       return grads((x, dy, active_rows, finite_x_rows), (kernel,))
-    explicit = explicit_axes_in_context()
-    if explicit:
-      # Rows not split over the Explicit axes (weights or features split, tensor or sequence
-      # parallel): XLA partitions the backward, each gradient typed as its array.
-      spec = lambda a: None if a is None else jax.typeof(a).sharding.spec  # noqa: E731
-      run = jax.sharding.auto_axes(run, axes=explicit,
-                                   out_sharding=((spec(x),), (spec(kernel), spec(bias))))
+    # Rows not split over the Explicit axes, if any (weights or features split, tensor or
+    # sequence parallel): XLA partitions the backward, each gradient typed as its array.
+    spec = lambda a: None if a is None else jax.typeof(a).sharding.spec  # noqa: E731
+    run = with_explicit_axes_auto(run, ((spec(x),), (spec(kernel), spec(bias))))
     (dx,), (dkernel, dbias) = run(x, dy, active_rows, finite_x_rows, kernel)
   else:
     (dx,), (dkernel, dbias) = map_row_shards(
