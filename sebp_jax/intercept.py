@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from sebp_jax import model_families
 from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
-                              SEBPReport, record, validate_switch)
+                              SEBPReport, record, unread_parameters_reason, validate_switch)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
                              sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
@@ -281,7 +281,9 @@ class use_sebp(SEBPContext):
       return "custom dot_general (e.g. fp8/quantized)"
     if not is_dense and module.num_embeddings == 1:
       return "one-row embedding (a broadcast, no lookup)"
-    return None
+    return unread_parameters_reason(
+        module.variables.get("params", {}),
+        ("kernel", "bias") if is_dense else ("embedding",))
 
   def _intercept_packed(self, next_fun, args, kwargs, context) -> Any:
     """The packed path: a region runs on packed tokens, its attention per sequence, every

@@ -29,7 +29,8 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from sebp_jax import context as context_lib
 from sebp_jax import model_families
-from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
+from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record,
+                              unread_parameters_reason)
 from sebp_jax.layers import resolve_top_n
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_decoder_mask,
                               invalid_slots, packed_attention)
@@ -109,7 +110,9 @@ def _promotion(module: nnx.Module, arrays: tuple, inexact: bool = True):
   if promote is nnx_dtypes.promote_dtype:
     return arrays, nnx_dtypes.canonicalize_dtype(*present, dtype=module.dtype,
                                                  inexact=inexact)
-  return tuple(promote(arrays, dtype=module.dtype, inexact=inexact)), None
+  # Called as the flax layers call it: nnx.Embed alone passes inexact (False).
+  options = {} if inexact else {"inexact": False}
+  return tuple(promote(arrays, dtype=module.dtype, **options)), None
 
 
 def _row_log_entry(row_log: RowLog | None, path: str):
@@ -252,28 +255,64 @@ class LayerSwap:
 _SWAP_ATTR = "_sebp_swap"
 
 
-def _swapped_call(self, inputs: Array, *args, **kwargs) -> Array:
+def _swapped_call(self, *args, **kwargs) -> Array:
   """``__call__`` of a swapped layer: its context's :meth:`use_sebp.run_layer`."""
   swap: LayerSwap = vars(self)[_SWAP_ATTR]
   context = getattr(context_lib._ACTIVE, "context", None)
   if not (isinstance(context, use_sebp) and context.swapped_with(swap)):
     # Another thread, outside the context that swapped the layer (which is per thread, as
     # Linen's is), or a copy of the model kept from inside it: the layer's own forward.
-    return dense_forward(self, inputs, *args, **kwargs)
-  if args or any(v is not None for v in kwargs.values()):
+    return dense_forward(self, *args, **kwargs)
+  called = _call_arguments(type(self).__base__, self, args, kwargs)
+  if called is None:  # Arguments the layer's own __call__ does not take: its own error.
+    return dense_forward(self, *args, **kwargs)
+  inputs, extra = called
+  if extra:
     # out_sharding, or an einsum_str given at call time: the layer's own code.
-    context.report.skipped[swap.path] = f"called with extra arguments {sorted(kwargs)}"
-    return dense_forward(self, inputs, *args, **kwargs)
+    context.report.skipped[swap.path] = f"called with extra arguments {extra}"
+    return dense_forward(self, *args, **kwargs)
   context.layers_seen += 1
   return context.run_layer(self, swap, inputs)
 
 
-def dense_forward(module: nnx.Module, inputs: Array, *args, **kwargs) -> Array:
+def _call_arguments(cls: type, module: nnx.Module, args: tuple,
+                    kwargs: dict) -> tuple[Array, list[str]] | None:
+  """``(inputs, extra)`` of a call of ``cls.__call__``: its first argument (given by position
+  or by name) and the names of the others given other than None; None where the call does
+  not bind."""
+  signature = _call_signature(cls)
+  if len(signature.parameters) < 2:
+    return None
+  try:
+    bound = signature.bind(module, *args, **kwargs)
+  except TypeError:
+    return None
+  _, first, *others = signature.parameters.values()
+  if first.kind is inspect.Parameter.VAR_POSITIONAL or first.name not in bound.arguments:
+    return None
+  extra = []
+  for parameter in others:
+    value = bound.arguments.get(parameter.name)
+    if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+      extra += [name for name, item in (value or {}).items() if item is not None]
+    elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+      extra += [f"*{parameter.name}"] if value else []
+    elif value is not None:
+      extra.append(parameter.name)
+  return bound.arguments[first.name], extra
+
+
+@functools.cache
+def _call_signature(cls: type) -> inspect.Signature:
+  return inspect.signature(cls.__call__)
+
+
+def dense_forward(module: nnx.Module, *args, **kwargs) -> Array:
   """The layer's own forward (its class's ``__call__``), also while swapped."""
   cls = type(module)
   if cls in _SWAPPED_CLASSES.values():
     cls = cls.__base__
-  return cls.__call__(module, inputs, *args, **kwargs)
+  return cls.__call__(module, *args, **kwargs)
 
 
 _SWAPPED_CLASSES: dict[type, type] = {}
@@ -289,6 +328,11 @@ def _swapped_class(cls: type) -> type:
     _SWAPPED_CLASSES[cls] = type(f"SEBPSwapped{cls.__name__}", (cls,),
                                  {"__module__": __name__, "__call__": _swapped_call})
   return _SWAPPED_CLASSES[cls]
+
+
+def _unread_parameters(module: nnx.Module, read: tuple[str | None, ...]) -> str | None:
+  return unread_parameters_reason(
+      (name for name, value in vars(module).items() if isinstance(value, nnx.Param)), read)
 
 
 def _einsum_layer(cls: type) -> EinsumLayer | str | None:
@@ -316,9 +360,11 @@ class use_sebp(SEBPContext):
   The layers it swaps: ``nnx.Linear``, ``nnx.Einsum`` whose einsum is a linear map of rows,
   the einsum layers registered with :func:`register_einsum`, and ``nnx.Embed`` lookups
   (``attend`` stays dense), subclasses included unless they have a ``__call__`` of their own.
-  A layer with a custom ``dot_general`` / ``einsum_op`` or ``preferred_element_type``, or
-  called with ``out_sharding``, is left dense; these, the subclasses left alone and
-  ``nnx.LinearGeneral`` layers are listed in ``report.skipped`` with the reason. On exit
+  A layer with a custom ``dot_general`` / ``einsum_op`` or ``preferred_element_type``, one
+  holding parameters its computation does not read (qwix's LoRA adapters), or one called with
+  ``out_sharding`` is left dense; these, the subclasses left alone and ``nnx.LinearGeneral``
+  layers are listed in ``report.skipped`` with the reason. The drop-ins :class:`SEBPLinear`
+  and :class:`SEBPEmbed` run their own SEBP backward, with their own options. On exit
   every layer has its class back, with the same Variables: the model is as it was. A copy
   made inside the context (``nnx.clone``, a graph definition from ``nnx.split``) keeps the
   swapped classes, which run SEBP under an equal context only and dense under another (in
@@ -379,18 +425,20 @@ class use_sebp(SEBPContext):
       if swap is None or self.swapped_with(swap):
         return None
       return swap.kind, "a copy swapped by another use_sebp (made inside it): runs dense"
+    if isinstance(module, (SEBPLinear, SEBPEmbed)):
+      return None  # The drop-ins run SEBP themselves, with their own options.
     if isinstance(module, nnx.Linear) and cls.__call__ is nnx.Linear.__call__:
       if module.dot_general is not jax.lax.dot_general:
         return "linear", "custom dot_general (e.g. fp8/quantized)"
       if module.preferred_element_type is not None:
         return "linear", "preferred_element_type set"
-      return "linear", None
+      return "linear", _unread_parameters(module, ("kernel", "bias"))
     if isinstance(module, nnx.Embed) and cls.__call__ is nnx.Embed.__call__:
       if not self.embeddings:
         return None
       if module.num_embeddings == 1:
         return "embed", "one-row embedding (a broadcast, no lookup)"
-      return "embed", None
+      return "embed", _unread_parameters(module, ("embedding",))
     # Listed with the reason they stay dense, as the Linen context lists them: a subclass's
     # own __call__ (LoRALinear, a drop-in) would be lost, and LinearGeneral's axes are not
     # rows and features.
@@ -414,7 +462,8 @@ class use_sebp(SEBPContext):
     row_map = einsum_row_map(spec)
     if isinstance(row_map, str):
       return "einsum", row_map
-    return "einsum", (row_map, einsum)
+    return "einsum", _unread_parameters(module, (einsum.kernel, einsum.bias)) or (row_map,
+                                                                                 einsum)
 
   def layers_key(self) -> tuple:
     """The layers this context swapped: a report traced for another model is not this one's."""

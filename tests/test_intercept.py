@@ -268,6 +268,45 @@ def test_layers_with_a_custom_dot_general_stay_dense():
   assert "custom dot_general" in report.skipped["down_proj"]
 
 
+class Tagger(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    x = jnp.tanh(nn.Dense(32, name="up")(nn.Embed(40, 16)(ids)))
+    return nn.Dense(16, name="down")(x)
+
+
+def test_layers_holding_parameters_they_do_not_read_stay_dense():
+  """qwix's LoRA adds its adapters to a layer's own parameters and its term to the layer's
+  output by intercepting its ops: the SEBP backward, which knows the kernel and bias alone,
+  would drop that term's part of dX. Such layers stay dense, with the reason."""
+  qwix = pytest.importorskip("qwix")
+  rng = np.random.default_rng(4)
+  mask = np.arange(10) < rng.integers(2, 10, (3, 1))
+  ids = jnp.asarray(rng.integers(0, 40, (3, 10)) * mask)
+  model = qwix.apply_lora_to_model(
+      Tagger(), qwix.LoraProvider(module_path=".*(up|down)", rank=2, alpha=2.0))
+  params = model.init(jax.random.key(0), ids)
+  keys = iter(jax.random.split(jax.random.key(1), 8))
+  # Adapters that change the output (qwix starts B at zero).
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, p: jax.random.normal(next(keys), p.shape) if "lora" in str(path) else p,
+      params)
+  reports = []
+
+  def loss(params, sebp):
+    with use_sebp(active_mask=mask, backend="xla") if sebp else nullcontext() as report:
+      reports.append(report)
+      out = model.apply(params, ids)
+    return jnp.sum(jnp.where(mask[..., None], out, 0) ** 2)
+
+  assert_every_gradient_close(jax.grad(loss)(params, True), jax.grad(loss)(params, False))
+  report = reports[0]
+  assert report.swapped == [] and report.embeddings == ["Embed_0"]
+  for path in ("up", "down"):
+    assert report.skipped[path].startswith(
+        "parameters its computation does not read (kernel_lora_a, kernel_lora_b)")
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="top_n"):
     use_sebp(top_n=0)

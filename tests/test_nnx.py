@@ -5,6 +5,7 @@ Tests comparing SEBP with dense ask for backend="xla" (on a GPU "auto" runs tiny
 dense)."""
 
 import collections
+import contextlib
 
 import flax.linen as linen
 import jax
@@ -371,6 +372,116 @@ def test_layers_it_cannot_run_stay_dense_with_the_reason():
   assert report.skipped["general"] == "nnx.LinearGeneral (not swapped)"
   assert report.skipped["doubled"] == "a subclass with its own __call__"
   assert report.swapped == ["plain", "sharded"]
+
+
+class _Tagger(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(40, 16, rngs=rngs)
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.down = nnx.Linear(32, 16, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.down(jnp.tanh(self.up(self.embed(ids))))
+
+
+def test_layers_holding_parameters_they_do_not_read_stay_dense():
+  """qwix's LoRA (Tunix's) puts its adapters on the layer and adds their term to its output
+  by intercepting its ops: the SEBP backward, which knows the kernel and bias alone, would
+  drop that term's part of dX (the base weights' gradients silently off with the adapters
+  frozen, a leaked tracer with them trained). Such layers stay dense, with the reason."""
+  qwix = pytest.importorskip("qwix")
+  ids, mask = _batch(8)
+  model = qwix.apply_lora_to_model(
+      _Tagger(nnx.Rngs(0)), qwix.LoraProvider(module_path=".*(up|down)", rank=2, alpha=2.0),
+      ids, rngs=nnx.Rngs(1))
+  keys = iter(jax.random.split(jax.random.key(2), 4))
+  for _, variable in nnx.iter_graph(model):
+    if isinstance(variable, nnx.LoRAParam):  # Adapters that change the output.
+      variable[...] = jax.random.normal(next(keys), variable[...].shape)
+  reports = []
+
+  def loss(model, sebp):
+    with sebp_nnx.use_sebp(model, active_mask=mask, backend="xla") if sebp else (
+        contextlib.nullcontext()) as report:
+      reports.append(report)
+      logits = model(ids)
+    return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2) / 100
+
+  for trained in (nnx.LoRAParam, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))):
+    grads = lambda sebp: nnx.state(
+        nnx.grad(loss, argnums=nnx.DiffState(0, trained))(model, sebp), nnx.Param)
+    assert_every_gradient_close(grads(True), grads(False))
+  assert reports[0].swapped == [] and reports[0].embeddings == ["embed"]
+  for path in ("up", "down"):
+    assert reports[0].skipped[path].startswith(
+        "parameters its computation does not read (kernel_lora_a, kernel_lora_b)")
+  plain = _Tagger(nnx.Rngs(0))
+  plain.up.scale = nnx.Param(jnp.ones(()))  # Any parameter the layer's own code leaves unread.
+  with sebp_nnx.use_sebp(plain) as report:
+    plain(ids)
+  assert report.swapped == ["down"] and "(scale)" in report.skipped["up"]
+
+
+def test_layers_are_called_as_their_own_call_takes_them():
+  """A custom promote_dtype written to flax's signature (no ``inexact``), the input given by
+  keyword under the name of the layer's own ``__call__``, and extra arguments given by
+  position (left dense, named in the report)."""
+  def promote(arrays, *, dtype):
+    return tuple(None if a is None else jnp.asarray(a, dtype or jnp.float32) for a in arrays)
+
+  class LibraryEinsum(nnx.Module):
+    def __init__(self, rngs):
+      self.spec = "BTD,DF->BTF"
+      self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 16)))
+
+    def __call__(self, x, scale=None):
+      return jnp.einsum(self.spec, x, self.w[...]) * (1 if scale is None else scale)
+
+  sebp_nnx.register_einsum(LibraryEinsum, kernel="w", einsum_str="spec")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(40, 16, rngs=rngs)
+      self.linear = nnx.Linear(16, 16, promote_dtype=promote, rngs=rngs)
+      self.einsum = nnx.Einsum("BTD,DF->BTF", (16, 16), (16,), promote_dtype=promote,
+                               rngs=rngs)
+      self.library = LibraryEinsum(rngs)
+      self.scaled = LibraryEinsum(rngs)
+
+    def __call__(self, ids):
+      h = self.embed(ids)
+      h = jnp.tanh(self.linear(inputs=h)) + self.einsum(h)
+      return self.library(x=h) + self.scaled(h, 2.0)
+
+  model = Model(nnx.Rngs(3))
+  ids, mask = _batch(9)
+  want = _grads(model, _masked_loss, ids, mask)
+  got = _grads(model, _masked_loss, ids, mask, dict(active_mask=mask, backend="xla"))
+  assert_every_gradient_close(got, want)
+  with sebp_nnx.use_sebp(model, active_mask=mask) as report:
+    model(ids)
+  assert report.swapped == ["einsum", "library", "linear", "scaled"]
+  assert report.skipped == {"scaled": "called with extra arguments ['scale']"}
+
+
+def test_the_drop_ins_run_their_own_sebp_inside_a_context():
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = sebp_nnx.SEBPEmbed(40, 16, top_n=30, rngs=rngs)
+      self.own = sebp_nnx.SEBPLinear(16, 16, top_n=30, rngs=rngs)
+      self.plain = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.plain(jnp.tanh(self.own(self.embed(ids))))
+
+  model = Model(nnx.Rngs(4))
+  ids, mask = _batch(10)
+  want = _grads(model, _masked_loss, ids, mask)
+  got = _grads(model, _masked_loss, ids, mask, dict(active_mask=mask, backend="xla"))
+  assert_every_gradient_close(got, want)
+  with sebp_nnx.use_sebp(model, active_mask=mask) as report:
+    model(ids)
+  assert report.swapped == ["plain"] and report.embeddings == [] and report.skipped == {}
 
 
 def test_a_copy_made_inside_a_context_is_listed_by_another():
