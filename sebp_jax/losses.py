@@ -42,7 +42,8 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
       with other values (weights) raises.
     capacity: optional static count of rows for the log-softmax over the vocabulary: the
       positions whose target is real are gathered into ``[capacity, V]`` and only those are
-      normalised (forward and backward) instead of every position, padding included. The
+      normalised (forward and backward) instead of every position, padding included (the
+      logits elsewhere are not read: a NaN there stays out of the loss and gradient). The
       real tokens of the batch (``attention_mask.sum()``) always suffice. Packed logits have
       their rows already, and ignore it. A batch with more such positions than
       ``capacity`` gets a NaN loss and gradient, never a silently partial one (an exact
@@ -114,8 +115,9 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     if capacity is not None:
       # Unused slots read row R (out of range): zero logits, label 0, weight 0.
       (positions,) = jnp.nonzero(weights, size=capacity, fill_value=weights.shape[0])
-      take = lambda a: jnp.take(a, positions, axis=0, mode="fill", fill_value=0,
-                                indices_are_sorted=True)
+      take = lambda a: (jnp.take(a, positions, axis=0, mode="fill", fill_value=0,
+                                 indices_are_sorted=True) if a.shape[0]
+                        else jnp.zeros((capacity, *a.shape[1:]), a.dtype))  # An empty batch.
       rows, labels, weights = take(rows), take(labels), take(weights)
       if head is not None:
         head = head.replace(inputs=take(head.inputs))
@@ -133,8 +135,8 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     total = linear_cross_entropy(head.inputs, head.kernel, head.bias, labels, weights,
                                  chunk=chunk, precision=head.precision)
   else:
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(rows.astype(jnp.float32),
-                                                                 labels)
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(
+        rows.astype(_loss_dtype(rows.dtype)), labels)
     total = _weighted_sum(token_loss, weights)
   return total / jnp.maximum(num_targets, 1.0)
 
@@ -145,7 +147,7 @@ def _target_weights(attention_mask: jax.Array) -> jax.Array:
   padding position before a real token predicts nothing."""
   weighted = check_token_flags(attention_mask, "attention_mask",
                                "the loss counts real tokens, it does not weigh them")
-  real = attention_mask != 0
+  real = jnp.asarray(attention_mask) != 0
   weights = jnp.pad(real[:, 1:] & real[:, :-1], ((0, 0), (0, 1))).astype(jnp.float32)
   if weighted is None:
     return weights
@@ -234,7 +236,7 @@ def vocab_split_cross_entropy(head: LinearHead, labels: jax.Array,
   logits = jnp.dot(gather(head.inputs), head.kernel, precision=head.precision)
   if head.bias is not None:
     logits = logits + head.bias
-  logits = logits.astype(jnp.float32)
+  logits = logits.astype(_loss_dtype(logits.dtype))
   columns = logits.shape[-1]
   device = jax.lax.axis_index(axis)
   local_labels = gather(labels) - device * columns
@@ -250,6 +252,11 @@ def vocab_split_cross_entropy(head: LinearHead, labels: jax.Array,
   return _weighted_sum(own_top + jnp.log(exp_sums) - label_logits, weights)
 
 
+def _loss_dtype(dtype) -> jnp.dtype:
+  """The dtype logits of ``dtype`` are normalised in: float32, or float64 for float64."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _padded_chunks(array: jax.Array, chunk: int) -> jax.Array:
   """``array: [N, ...]`` as ``[ceil(N / chunk), chunk, ...]``, zeros past its end."""
   extra = -array.shape[0] % chunk
@@ -259,11 +266,11 @@ def _padded_chunks(array: jax.Array, chunk: int) -> jax.Array:
 
 def _chunk_cross_entropy(rows, labels, kernel, bias, precision):
   """``(logits, log_norm, loss)`` of one chunk: its logits as the Dense head computes them
-  (its dtype), normalised in float32."""
+  (its dtype), normalised in float32 (float64 for float64 logits)."""
   logits = jnp.dot(rows, kernel, precision=precision)
   if bias is not None:
     logits = logits + bias
-  logits = logits.astype(jnp.float32)
+  logits = logits.astype(_loss_dtype(logits.dtype))
   log_norm = jax.nn.logsumexp(logits, axis=-1)
   label_logits = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
   return logits, log_norm, log_norm - label_logits
@@ -290,11 +297,28 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
-  weights = jnp.asarray(weights, jnp.float32)
-  labels, weights = _labels_in_vocabulary(_token_ids(labels, "labels"), weights,
-                                          kernel.shape[-1])
-  return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights), chunk,
-                               precision)
+  if jnp.ndim(inputs) != 2 or jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != jnp.shape(
+      inputs)[1]:
+    raise ValueError(f"inputs must be [N, D] and kernel [D, V], got shapes "
+                     f"{jnp.shape(inputs)} and {jnp.shape(kernel)}")
+  num_rows, vocab = jnp.shape(inputs)[0], jnp.shape(kernel)[1]
+  if bias is not None and jnp.shape(bias) != (vocab,):
+    raise ValueError(f"bias must be [V] = {(vocab,)} or None, got shape {jnp.shape(bias)}")
+  for name, array in (("labels", labels), ("weights", weights)):
+    if jnp.shape(array) != (num_rows,):
+      raise ValueError(f"{name} must be [N] = {(num_rows,)}, one per row of inputs, got shape "
+                       f"{jnp.shape(array)}")
+  if not (isinstance(chunk, numbers.Integral) and not isinstance(chunk, bool) and chunk > 0):
+    raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+  # As the Dense head computes: in the operands' common dtype (the backward casts back).
+  dtype = jnp.result_type(*(a for a in (inputs, kernel, bias) if a is not None))
+  inputs, kernel, bias = (None if a is None else jnp.asarray(a, dtype)
+                          for a in (inputs, kernel, bias))
+  weights = jnp.asarray(weights)
+  weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+  labels, weights = _labels_in_vocabulary(_token_ids(labels, "labels"), weights, vocab)
+  return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights),
+                               min(int(chunk), max(num_rows, 1)), precision)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -305,7 +329,8 @@ def _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precisio
     return total + _weighted_sum(loss, chunk_weights), None
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
-  start, _ = vary_alike(jnp.float32(0), inputs)  # In a shard_map the sums vary as the rows.
+  # In a shard_map the sums vary as the rows.
+  start, _ = vary_alike(jnp.zeros((), _sum_of_losses_dtype(inputs, weights)), inputs)
   total, _ = jax.lax.scan(chunk_sum, start, chunks)
   return total
 
@@ -324,13 +349,15 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
     bias_grad = bias_grad + jnp.sum(logits_grad, axis=0)
     logits_grad = logits_grad.astype(kernel.dtype)
     kernel_grad = kernel_grad + jnp.dot(rows.T, logits_grad, precision=precision,
-                                        preferred_element_type=jnp.float32)
+                                        preferred_element_type=kernel_grad.dtype)
     rows_grad = jnp.dot(logits_grad, kernel.T, precision=precision).astype(rows.dtype)
     return (total, kernel_grad, bias_grad), (rows_grad, loss)
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
-  *start, _ = vary_alike(jnp.float32(0), jnp.zeros(kernel.shape, jnp.float32),
-                        jnp.zeros(kernel.shape[-1:], jnp.float32), inputs)
+  sum_dtype = _loss_dtype(kernel.dtype)
+  *start, _ = vary_alike(jnp.zeros((), _sum_of_losses_dtype(inputs, weights)),
+                        jnp.zeros(kernel.shape, sum_dtype), jnp.zeros(kernel.shape[-1:], sum_dtype),
+                        inputs)
   (total, kernel_grad, bias_grad), (rows_grad, row_loss) = jax.lax.scan(
       chunk_step, tuple(start), chunks)
   num_rows = inputs.shape[0]
@@ -346,6 +373,10 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
   dtypes = tuple(None if a is None else jnp.zeros((), a.dtype)
                  for a in (inputs, kernel, bias, weights))
   return total, (grads, labels, dtypes)
+
+
+def _sum_of_losses_dtype(inputs, weights):
+  return jnp.promote_types(_loss_dtype(inputs.dtype), weights.dtype)
 
 
 def _sum_dtype(dtype):

@@ -80,6 +80,19 @@ def test_no_real_target_gives_zero_not_nan():
   assert masked_causal_lm_loss(logits, ids, mask) == 0
 
 
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_an_empty_batch_and_a_mask_given_as_nested_lists(capacity):
+  loss = functools.partial(masked_causal_lm_loss, capacity=capacity)
+  value, grad = jax.value_and_grad(loss)(jnp.ones((0, 4, 5)), np.zeros((0, 4), np.int32),
+                                         np.zeros((0, 4), np.int32))
+  assert value == 0 and grad.shape == (0, 4, 5)
+  rng = np.random.default_rng(15)
+  logits = rng.standard_normal((2, 4, 5)).astype(np.float32)
+  ids, mask = [[1, 2, 3, 0], [4, 1, 0, 0]], [[1, 1, 1, 0], [1, 1, 0, 0]]
+  np.testing.assert_allclose(loss(logits, ids, mask),
+                             _reference(logits, np.array(ids), np.array(mask)), rtol=1e-6)
+
+
 def test_left_padding_and_holes_count_real_pairs_only():
   """A padding position before a real token predicts nothing: with left padding or holes,
   only predictions from a real token of a real token count, and padding gets no gradient."""
@@ -267,20 +280,70 @@ def test_linear_cross_entropy_float16_sums_the_kernel_gradient_within_range():
   np.testing.assert_allclose(got, want, rtol=0.02, atol=1e-3 * np.abs(want).max())
 
 
-def test_linear_cross_entropy_takes_float64_under_x64():
-  """float64 inputs and weights (jax_enable_x64): the value and gradients of float64, where
-  the scan's float32 sums once refused the float64 weights."""
+def test_float64_is_computed_in_float64_under_x64():
+  """float64 inputs and weights (jax_enable_x64): the value and gradients of float64, to
+  float64's rounding, where float32 logits would lose them (a gap of 1 between logits of
+  1e8: float32 holds them equal)."""
   rng = np.random.default_rng(13)
   inputs, kernel = rng.normal(size=(10, 6)), rng.normal(size=(6, 9))
+  inputs[:, 0] = 1e8
+  kernel[0] = 1.0
   labels, weights = rng.integers(0, 9, 10), rng.uniform(0.5, 2.0, 10)
   with jax.enable_x64(True):
     value, grads = jax.value_and_grad(
         lambda i, k: linear_cross_entropy(i, k, None, labels, weights, chunk=4), (0, 1))(
             jnp.asarray(inputs), jnp.asarray(kernel))
+    logits = np.stack([np.full(4, 1e8), 1e8 + np.arange(4.0)], axis=1)[None]
+    ids, mask = np.array([[0, 1, 0, 1]]), np.ones((1, 4), np.int32)
+    loss, logits_grad = jax.value_and_grad(masked_causal_lm_loss)(jnp.asarray(logits), ids,
+                                                                   mask)
   want = _head_reference(inputs, kernel, None, labels, weights)
-  np.testing.assert_allclose(value, want[0], rtol=1e-6)
+  assert value.dtype == jnp.float64 and grads[0].dtype == grads[1].dtype == jnp.float64
+  np.testing.assert_allclose(value, want[0], rtol=1e-8)
   for got, expected in zip(grads, want[1:3]):
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-7)
+  assert loss.dtype == jnp.float64
+  np.testing.assert_allclose(loss, _reference(logits, ids, mask), rtol=1e-7)
+  # A mean over 3 targets; logits 1e8, 1e8 predicting 1, then 1e8, 1e8 + 1 predicting 0.
+  np.testing.assert_allclose(logits_grad[0, 0], [0.5 / 3, -0.5 / 3], rtol=1e-7)
+  np.testing.assert_allclose(logits_grad[0, 1, 0], -np.e / (1 + np.e) / 3, rtol=1e-7)
+
+
+def test_linear_cross_entropy_checks_its_arguments_and_promotes_as_the_head_does():
+  """Shapes other than [N, D], [D, V], [V], [N], [N] and a chunk other than a positive int
+  raise naming the argument (an [B, L, D] input once paired rows with other rows' labels);
+  mixed dtypes are computed in their common dtype, as a Dense head computes them, and each
+  gradient comes back in its own; a chunk past the rows holds no more logits than the rows."""
+  rng = np.random.default_rng(14)
+  inputs = rng.normal(size=(6, 4)).astype(np.float32)
+  kernel = rng.normal(size=(4, 7)).astype(np.float32)
+  labels, weights = rng.integers(0, 7, 6).astype(np.int32), np.ones(6, np.float32)
+  call = functools.partial(linear_cross_entropy, inputs, kernel, None, labels, weights, chunk=4)
+  for bad, match in ((dict(inputs=inputs.reshape(2, 3, 4)), "inputs must be .N, D."),
+                     (dict(kernel=kernel[:3]), "kernel .D, V."),
+                     (dict(bias=np.zeros(6)), r"bias must be \[V\] = \(7,\)"),
+                     (dict(labels=labels[:4]), r"labels must be \[N\] = \(6,\)"),
+                     (dict(weights=weights[:, None]), r"weights must be \[N\] = \(6,\)")):
+    arguments = dict(inputs=inputs, kernel=kernel, bias=None, labels=labels, weights=weights)
+    with pytest.raises(ValueError, match=match):
+      linear_cross_entropy(**(arguments | bad), chunk=4)
+  for chunk in (0, -1, 2.5, None, "auto", True):
+    with pytest.raises(ValueError, match="chunk must be a positive int"):
+      linear_cross_entropy(inputs, kernel, None, labels, weights, chunk=chunk)
+  assert "4096" not in str(jax.make_jaxpr(lambda: call(chunk=4096))())
+  half = jnp.asarray(kernel, jnp.bfloat16)
+
+  def dense(inputs, kernel):
+    logits = (inputs @ kernel.astype(jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+
+  got = jax.grad(lambda i, k: linear_cross_entropy(i, k, None, labels, weights, chunk=4),
+                 (0, 1))(inputs, half)
+  want = jax.grad(dense, (0, 1))(inputs, half)
+  assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.bfloat16
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
+                             rtol=1e-2)
 
 
 def test_wide_host_ids_past_int32_are_out_of_the_vocabulary():
