@@ -112,15 +112,19 @@ def main(argv=None) -> list[dict]:
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=__doc__.split("\n\n", 1)[1])
   parse_batches = functools.partial(parse_pairs, what="BxL")
-  parser.add_argument("--batches", type=parse_batches, default=parse_batches(
-      "4x1024,16x4096,32x4096,64x2048"), help="comma list of BxL")
+  parser.add_argument("--batches", type=parse_batches,
+                      help="comma list of BxL (default: 4x1024,16x4096,32x4096,64x2048; with "
+                           "--tiny 2x128,4x256)")
   parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved timing rounds")
   parser.add_argument("--seed", type=non_negative_int, default=0,
                       help="seed of the lengths and values")
-  parser.add_argument("--tiny", action="store_true", help="toy head counts (CPU smoke run)")
+  parser.add_argument("--tiny", action="store_true",
+                      help="toy head counts and batches (CPU smoke run)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
-  return run(args.batches, args.rounds, args.seed, args.tiny, args.out)
+  batches = args.batches or parse_batches(
+      "2x128,4x256" if args.tiny else "4x1024,16x4096,32x4096,64x2048")
+  return run(batches, args.rounds, args.seed, args.tiny, args.out)
 
 
 if __name__ == "__main__":

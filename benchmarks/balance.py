@@ -45,9 +45,13 @@ def main(argv=None) -> list[dict]:
                                    description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=sorted(SETUPS), action="append",
                       help="setups whose batch size and lengths to draw (default: bert, llama)")
-  parser.add_argument("--devices", type=parse_positive_ints, default=[2, 4, 8])
-  parser.add_argument("--batches", type=positive_int, default=500)
-  parser.add_argument("--seed", type=non_negative_int, default=0)
+  parser.add_argument("--devices", type=parse_positive_ints, default=[2, 4, 8],
+                      help="comma list of device counts to split each batch over (default: "
+                           "2,4,8)")
+  parser.add_argument("--batches", type=positive_int, default=500,
+                      help="random batches drawn per setup (default: 500)")
+  parser.add_argument("--seed", type=non_negative_int, default=0,
+                      help="seed of the drawn batches (default: 0)")
   parser.add_argument("--out", default=None, help="append JSON lines here")
   args = parser.parse_args(argv)
   rows = [balance(kind, devices, args.batches, args.seed)

@@ -57,7 +57,8 @@ def run(sizes_mb: list[int], repeats: int, calls_per_repeat: int,
   devices = jax.devices()
   if len(devices) < 2:
     raise SystemExit("benchmarks.collectives needs at least 2 devices, this host has "
-                     f"{len(devices)}")
+                     f"{len(devices)} (on a CPU, XLA_FLAGS="
+                     "--xla_force_host_platform_device_count=N makes N)")
   mesh = Mesh(np.array(devices), ("devices",))
   records = []
   print(f"{'kind':16} {'MB':>6} {'ms':>9} {'bus GB/s':>9}")

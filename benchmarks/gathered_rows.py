@@ -59,7 +59,8 @@ def run(num_embeddings: int, features: int, runs: int, seed: int) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gathered_rows",
+                                   description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tables", type=lambda text: parse_pairs(text, "VxF"),
                       default=[(30522, 768), (128256, 2048)],

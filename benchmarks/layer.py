@@ -235,7 +235,7 @@ def main(argv=None):
   device = jax.devices()[0]
   print(f"device: {device.device_kind}, jax {jax.__version__}", file=sys.stderr)
   rates = measure_rates(args.repeats)
-  print(f"measured: matmul {rates.matmul_flops_per_s / 1e12:.0f} TFLOP/s, "
+  print(f"measured: matmul {rates.matmul_flops_per_s / 1e12:.3g} TFLOP/s, "
         f"copy {rates.copy_bytes_per_s / 1e12:.2f} TB/s", file=sys.stderr)
   compiled = compile_all(cases, args.compile_threads, args.input_sets)
 

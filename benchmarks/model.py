@@ -829,23 +829,29 @@ def print_table(rows) -> None:
             f"{'mem/dense':>9} {'scaling':>7} {'x kept':>6}")
   print(header)
   print("-" * len(header))
-  nan = float("nan")
   for r in rows:
     if "error" in r:
       print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['batch_size']:5d} "
             f"{r.get('fsdp') or '-':25} {r['error'][:60]}")
       continue
-    low, high = r.get("step_speedup_vs_dense_range", (nan, nan))
+    cell = functools.partial(_cell, r)
+    low, high = r.get("step_speedup_vs_dense_range", (None, None))
+    spread = ("" if low is None else f" ({low:4.2f}-{high:4.2f})").rjust(12)
     print(f"{r['model']:14} {r['mode']:28} {r['devices']:3d} {r['batch_size']:5d} "
-          f"{r.get('fsdp') or '-':25} {r['padded_length']:5d} "
-          f"{r.get('forward_ms', nan):8.2f} "
-          f"{r.get('backward_ms', nan):8.2f} {r.get('grad_ms', nan):8.2f} {r['step_ms']:8.2f} "
-          f"{r.get('backward_speedup_vs_dense', nan):6.2f} "
-          f"{r.get('grad_speedup_vs_dense', nan):6.2f} "
-          f"{r.get('step_speedup_vs_dense', nan):5.2f} ({low:4.2f}-{high:4.2f}) "
-          f"{r.get('peak_memory_vs_dense', nan):9.3f} "
-          f"{r.get('scaling_efficiency', nan):7.2f} "
-          f"{r.get('share_of_one_device_speedup', nan):6.2f}")
+          f"{r.get('fsdp') or '-':25} {r['padded_length']:5d} {cell('forward_ms', 8)} "
+          f"{cell('backward_ms', 8)} {cell('grad_ms', 8)} {r['step_ms']:8.2f} "
+          f"{cell('backward_speedup_vs_dense', 6)} {cell('grad_speedup_vs_dense', 6)} "
+          f"{cell('step_speedup_vs_dense', 5)}{spread} "
+          f"{cell('peak_memory_vs_dense', 9, 3)} {cell('scaling_efficiency', 7)} "
+          f"{cell('share_of_one_device_speedup', 6)}")
+
+
+def _cell(record: dict, key: str, width: int, digits: int = 2) -> str:
+  """``record[key]`` in a column ``width`` wide, ``-`` where the run has none."""
+  value = record.get(key)
+  if value is None or value != value:
+    return "-".rjust(width)
+  return f"{value:{width}.{digits}f}"
 
 
 def best_batches(rows) -> list[dict]:
@@ -994,6 +1000,9 @@ def main(argv=None) -> list[dict]:
     if any(devices != jax.device_count() for devices in args.devices):
       parser.error(f"--devices {','.join(map(str, args.devices))}: with --processes every "
                    f"run spans all {jax.device_count()} devices of the processes")
+  elif args.processes == 1 and max(args.devices) > jax.device_count():
+    parser.error(f"--devices {max(args.devices)}: this machine has {jax.device_count()} (on a "
+                 "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
   quiet = jax.process_index() != 0
   # One-device records already in --out are the baseline of runs on several devices made
   # apart from them (--processes runs span only the processes' devices).

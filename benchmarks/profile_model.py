@@ -14,11 +14,11 @@ instruction. Prints, per model, a table of the largest rows with one column per 
 writes every row with ``--out``.
 
 ``--devices N`` traces the data-parallel call of ``benchmarks.model --devices N`` (every
-device the one-device batch's lengths; ``--fsdp`` as there, one kind), ``--call step`` the whole AdamW
-step in place of the gradient. Each mode then also gets a timeline per device, ms per call:
-the wall time of the call, the time any kernel runs (busy), the time a computation runs, the
-collectives' time, and the part of it no computation overlaps (exposed): what the devices
-spend waiting on each other or on the host. The traced calls are dispatched back to back and
+device the one-device batch's lengths; ``--fsdp`` as there, one kind), ``--call step`` the
+whole AdamW step in place of the gradient. Each mode then also gets a timeline per device, ms
+per call: the wall time of the call, the time any kernel runs (busy), the time a computation
+runs, the collectives' time, and the part of it no computation overlaps (exposed): what the
+devices spend waiting on each other or on the host. The traced calls are dispatched back to back and
 synced once, as a training loop runs them. ``--processes N`` traces as N processes of one GPU
 each (as ``benchmarks.model --processes``); the first process's device is reported.
 

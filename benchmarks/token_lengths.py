@@ -35,7 +35,8 @@ def write_lengths(out: pathlib.Path, name: str, source: str, tokenizer_name: str
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.token_lengths",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path, default=LENGTHS_DIR,
                       help="folder to write the files into (default: the one the benchmarks "
                            "read, %(default)s)")

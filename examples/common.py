@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import pathlib
 import sys
 from typing import Callable
@@ -29,14 +30,16 @@ CapacityLossFn = Callable[[dict, dict, "int | None"], jax.Array]
 
 def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: int,
                         max_length: int, learning_rate: float, weight_decay: float,
-                        timing_repeats: int, out: str, extra=None,
+                        timing_repeats: int, out: str, data_files: tuple[str, ...],
+                        extra=None,
                         packed: bool = True, devices: bool = False,
                         packed_row_log: bool = True,
                         longest: int | None = None) -> argparse.Namespace:
   """The command line the examples share (defaults per example, ``packed`` that of
   ``--packed``) of the example run as ``python -m module``; ``extra(parser)`` adds more;
   ``devices``: ``--devices``, training on several (:func:`fit`), and ``--compiler-option``,
-  XLA options for the training step, checked here. Every count must be positive
+  XLA options for the training step, checked here. ``data_files``: those the run reads under
+  ``--data-dir`` (:func:`check_paths`, which also checks ``--out``). Every count must be positive
   (``--timing-repeats`` may be 0: no timing), the learning rate too, the weight decay at
   least 0. ``packed_row_log=False``: packed, no layer runs SEBP, so ``--row-log`` with
   ``--packed`` is refused. ``longest``: the most positions the model takes (``--max-length``
@@ -105,6 +108,7 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
                    f"{args.devices}")
     if args.row_log:
       parser.error("--row-log runs on one device: leave out --devices")
+  check_paths(parser, args, data_files)
   if devices:
     names = [name for name, _ in args.compiler_options]
     repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
@@ -117,6 +121,19 @@ def parse_training_args(module: str, doc: str, argv, *, steps: int, batch_size: 
       except jax.errors.JaxRuntimeError as error:
         parser.error(f"--compiler-option: {error}")
   return args
+
+
+def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                data_files: tuple[str, ...]) -> None:
+  """Refuses, before any model loads, a ``--data-dir`` without the files the run reads and an
+  ``--out`` that cannot be made a folder (the run makes it)."""
+  missing = [name for name in data_files if not (args.data_dir / name).is_file()]
+  if missing:
+    parser.error(f"--data-dir {args.data_dir}: no {missing[0]} there (the folder holding sst2/ "
+                 f"and wikitext2/; by default the repository's data/)")
+  existing = next(path for path in (args.out, *args.out.parents) if path.exists())
+  if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+    parser.error(f"--out {args.out}: {existing} is not a folder to write in")
 
 
 def sebp_context(top_n: int | None, attention_mask, **sebp_kwargs):
@@ -288,7 +305,23 @@ def speedups(timings: dict[str, dict], repeats: int,
   return ratios
 
 
-def loss_trend(losses: list[float], last: int) -> str:
+def describe_batches(train_batches: list[dict], args: argparse.Namespace,
+                     capacities: list[int]) -> str:
+  """The run's steps, their batches' real tokens and the capacities they pack into."""
+  real_tokens = [int(batch["attention_mask"].sum()) for batch in train_batches]
+  steps = len(train_batches)
+  per_device = " per device" * (getattr(args, "devices", 1) > 1)
+  return (f"{steps} step{'s' * (steps != 1)} of {args.batch_size}x{args.max_length}; real "
+          f"tokens per batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of "
+          f"{args.batch_size * args.max_length}; capacities{per_device} "
+          f"{sorted(set(capacities))}")
+
+
+#: The losses :func:`loss_trend` averages at the end of a run.
+TREND_STEPS = 10
+
+
+def loss_trend(losses: list[float], last: int = TREND_STEPS) -> str:
   """``first -> mean of the last few`` losses, saying how many."""
   last = min(last, len(losses))
   return (f"loss {losses[0]:.4f} -> {np.mean(losses[-last:]):.4f} (first step -> mean of "
@@ -361,7 +394,7 @@ def print_recap(summary: dict) -> None:
   print("\nsummary:")
   for mode, losses in summary["losses"].items():
     accuracy = summary.get(f"{mode}_dev_accuracy")
-    print(f"  {mode:>5}: {loss_trend(losses, 10)}"
+    print(f"  {mode:>5}: {loss_trend(losses)}"
           + ("" if accuracy is None else f", dev accuracy {accuracy:.2%}"))
   if summary["gradient_speedup"] is not None:
     print(f"  dense / SEBP time: gradient {summary['gradient_speedup']:.2f}x, backward "

@@ -13,6 +13,9 @@ import numpy as np
 
 #: The data carried in the repository: the folder holding ``sst2/`` and ``wikitext2/``.
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "data"
+#: The files under a data folder that SST-2's and WikiText-2's loaders read.
+SST2_FILES = ("sst2/train.tsv", "sst2/dev.tsv")
+WIKITEXT2_FILES = ("wikitext2/valid.txt",)
 _SST2_SPLITS = ("train", "dev")
 
 

@@ -37,9 +37,9 @@ import optax
 from tqdm import tqdm
 
 from benchmarks.harness import data_parallel_mesh
-from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context, timed_capacity)
-from examples.datasets import batches, encode_fixed_length, load_sst2
+from examples.common import (describe_batches, finish_run, fit, loss_trend, parse_training_args,
+                             run_capacities, sebp_context, timed_capacity)
+from examples.datasets import SST2_FILES, batches, encode_fixed_length, load_sst2
 from examples.pretrained import MINILM_POSITIONS, load_bert_classifier
 from sebp_jax import RowLog
 
@@ -52,7 +52,8 @@ def parse_args(argv=None):
                         help="sentences of sst2/dev.tsv to score, from its first")
   return parse_training_args(__spec__.name, __doc__, argv, steps=70, batch_size=32,
                              max_length=128, learning_rate=1e-4, weight_decay=0.01,
-                             timing_repeats=5, out="runs/sst2", extra=dev_examples,
+                             timing_repeats=5, out="runs/sst2", data_files=SST2_FILES,
+                             extra=dev_examples,
                              devices=True, longest=MINILM_POSITIONS)
 
 
@@ -123,13 +124,9 @@ def main(argv=None) -> dict:
   # Each batch packs into the smallest of at most four capacities that holds it, picked on the host:
   # static, so exact, and at most four compiles of the step.
   capacities = run_capacities(train_batches, num_shards=args.devices)
-  real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
   rows = args.batch_size * args.max_length
-  print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
-        f"capacities{' per device' * (args.devices > 1)} {sorted(set(capacities))} (SEBP keeps "
-        f"{np.mean(capacities) * args.devices / rows:.0%} "
-        "of the rows on average)")
+  print(f"{describe_batches(train_batches, args, capacities)} (SEBP keeps "
+        f"{np.mean(capacities) * args.devices / rows:.0%} of the rows on average)")
 
   optimizer = optax.adamw(learning_rate_schedule(args), weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
@@ -144,7 +141,7 @@ def main(argv=None) -> dict:
                                    compiler_options=args.compiler_options)
     dev_accuracy = accuracy(model, params, dev, args.batch_size, desc=f"{mode} dev")
     results[mode] = {"losses": losses, "dev_accuracy": dev_accuracy, "compiles": compiles}
-    print(f"{mode}: {loss_trend(losses, 10)}, dev accuracy {dev_accuracy:.2%}; the step "
+    print(f"{mode}: {loss_trend(losses)}, dev accuracy {dev_accuracy:.2%}; the step "
           f"compiled {compiles} time{'s' * (compiles != 1)}")
 
   sebp_capacity = timed_capacity(capacities, train_batches[0])

@@ -36,9 +36,10 @@ import numpy as np
 import optax
 
 from benchmarks.harness import data_parallel_mesh
-from examples.common import (finish_run, fit, loss_trend, parse_training_args, run_capacities,
-                             sebp_context, timed_capacity)
-from examples.datasets import batches, encode_fixed_length, grouped_batches, load_wikitext2
+from examples.common import (describe_batches, finish_run, fit, loss_trend, parse_training_args,
+                             run_capacities, sebp_context, timed_capacity)
+from examples.datasets import (WIKITEXT2_FILES, batches, encode_fixed_length, grouped_batches,
+                               load_wikitext2)
 from examples.pretrained import SMOLLM2_POSITIONS, load_smollm2
 from sebp_jax import RowLog, token_budget_batches
 from sebp_jax.losses import causal_lm_target_count, masked_causal_lm_loss
@@ -49,7 +50,8 @@ MODES = ("dense", "sebp")
 def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
                              max_length=256, learning_rate=3e-5, weight_decay=0.0,
-                             timing_repeats=3, out="runs/llama", extra=_add_lm_head_flag,
+                             timing_repeats=3, out="runs/llama", data_files=WIKITEXT2_FILES,
+                             extra=_add_lm_head_flag,
                              devices=True, longest=SMOLLM2_POSITIONS)
 
 
@@ -117,10 +119,7 @@ def main(argv=None) -> dict:
   # A budget past the batch's tokens packs into as many slots as the batch (a device) has.
   capacities = ([min(args.token_budget, rows // args.devices)] * len(train_batches)
                 if args.token_budget else run_capacities(train_batches, num_shards=args.devices))
-  real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
-  print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
-        f"capacities{' per device' * (args.devices > 1)} {sorted(set(capacities))}")
+  print(describe_batches(train_batches, args, capacities))
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
   row_log = RowLog() if args.row_log else None
@@ -135,7 +134,7 @@ def main(argv=None) -> dict:
         capacities if mode == "sebp" else [None] * len(capacities),
         mesh=data_parallel_mesh(args.devices), weight_fn=weight_fn,
         compiler_options=args.compiler_options)
-    print(f"{mode}: {loss_trend(losses[mode], 5)}; the step compiled {compiles[mode]} "
+    print(f"{mode}: {loss_trend(losses[mode])}; the step compiled {compiles[mode]} "
           f"time{'s' * (compiles[mode] != 1)}")
 
   sebp_capacity = timed_capacity(capacities, train_batches[0])

@@ -34,7 +34,9 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from examples.common import finish_run, loss_trend, parse_training_args, run_capacities
+from examples.common import (describe_batches, finish_run, loss_trend, parse_training_args,
+                             run_capacities)
+from examples.datasets import WIKITEXT2_FILES
 from examples.finetune_llama import load_train_batches
 from examples.pretrained import load_smollm2_nnx, tunix_logits
 from sebp_jax import RowLog
@@ -48,6 +50,7 @@ def parse_args(argv=None):
   return parse_training_args(__spec__.name, __doc__, argv, steps=30, batch_size=4,
                              max_length=256, learning_rate=3e-5, weight_decay=0.0,
                              timing_repeats=3, out="runs/llama_nnx", packed=False,
+                             data_files=WIKITEXT2_FILES,
                              packed_row_log=False)
 
 
@@ -101,11 +104,7 @@ def main(argv=None) -> dict:
   initial, tokenizer = load_smollm2_nnx()
   train_batches = load_train_batches(tokenizer, args)
   capacities = run_capacities(train_batches)
-  real_tokens = [int(b["attention_mask"].sum()) for b in train_batches]
-  rows = args.batch_size * args.max_length
-  print(f"{len(train_batches)} steps of {args.batch_size}x{args.max_length}; real tokens per "
-        f"batch: mean {np.mean(real_tokens):.0f}, max {max(real_tokens)} of {rows}; "
-        f"capacities {sorted(set(capacities))}")
+  print(describe_batches(train_batches, args, capacities))
 
   optimizer = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
   labels = {"dense": "dense", "sebp": "packed" if args.packed else "SEBP"}
@@ -117,7 +116,7 @@ def main(argv=None) -> dict:
         model, train_batches, optimizer,
         capacities if mode == "sebp" else [None] * len(capacities), args.packed,
         row_log if mode == "sebp" else None, labels[mode])
-    print(f"{labels[mode]}: {loss_trend(losses[mode], 5)}; the step compiled "
+    print(f"{labels[mode]}: {loss_trend(losses[mode])}; the step compiled "
           f"{compiles[mode]} time{'s' * (compiles[mode] != 1)}")
 
   # The same losses as functions of the weights, for the side-by-side timing.
@@ -127,7 +126,8 @@ def main(argv=None) -> dict:
               for mode in MODES}
   fields = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized) in Tunix's NNX Llama 3",
             "data": "WikiText-2 valid", "capacities": sorted(set(capacities)),
-            "kept_fraction": capacities[0] / rows, "packed": args.packed,
+            "kept_fraction": capacities[0] / (args.batch_size * args.max_length),
+            "packed": args.packed,
             **{f"{mode}_compiles": compiles[mode] for mode in MODES}}
   return finish_run(args, loss_fns, params, train_batches[0], losses, row_log, fields, labels,
                     f"SmolLM2-135M (NNX, Tunix) on WikiText-2, {args.batch_size}x"

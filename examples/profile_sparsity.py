@@ -36,8 +36,8 @@ import numpy as np
 import optax
 
 from examples import finetune_bert_sst2, finetune_llama
-from examples.common import fit
-from examples.datasets import DATA_DIR
+from examples.common import check_paths, fit
+from examples.datasets import DATA_DIR, SST2_FILES, WIKITEXT2_FILES
 from examples.pretrained import load_bert_classifier, load_smollm2
 from sebp_jax import RowLog, use_sebp
 from sebp_jax.analysis import (estimate_threshold, format_table, layer_table, plot_row_heatmap,
@@ -49,6 +49,7 @@ class Setup:
   """One model and data set to profile, with its defaults."""
   model: str
   data: str
+  data_files: tuple[str, ...]  # Under --data-dir.
   steps: int
   batch_size: int
   max_length: int
@@ -72,12 +73,12 @@ def _prepare_smollm2_wikitext(args):
 
 
 SETUPS = {
-    "minilm-sst2": Setup("all-MiniLM-L6-v2", "SST-2 train", steps=3, batch_size=16,
+    "minilm-sst2": Setup("all-MiniLM-L6-v2", "SST-2 train", SST2_FILES, steps=3, batch_size=16,
                          max_length=128, learning_rate=1e-4, weight_decay=0.01, lm_head=False,
                          prepare=_prepare_minilm_sst2),
     "smollm2-wikitext": Setup("SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
-                              "WikiText-2 valid", steps=2, batch_size=4, max_length=256,
-                              learning_rate=3e-5, weight_decay=0.0, lm_head=True,
+                              "WikiText-2 valid", WIKITEXT2_FILES, steps=2, batch_size=4,
+                              max_length=256, learning_rate=3e-5, weight_decay=0.0, lm_head=True,
                               prepare=_prepare_smollm2_wikitext),
 }
 
@@ -142,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.error(f"--learning-rate must be positive and finite, got {args.learning_rate}")
   if args.seed < 0:
     parser.error(f"--seed must be 0 or more, got {args.seed}")
+  check_paths(parser, args, setup.data_files)
   return args
 
 

@@ -106,9 +106,10 @@ def token_capacity(mask, multiple: int = 128, num_shards: int = 1,
   """A capacity for a host-side ``mask``: its real tokens rounded up to ``multiple``, or with
   ``buckets`` (:func:`capacity_buckets`) the smallest bucket that holds them (ValueError where
   none does); at most ``mask.size``, as many slots as the batch has tokens. Bucketing bounds
-  the number of compiled shapes: pass it as a static argument of the jitted step. With the batch split into ``num_shards`` shards
-  along its first dimension, the capacity of each shard (``use_sebp(top_n=...)`` counts per
-  shard): the fullest shard's real tokens, rounded up, at most a shard's rows."""
+  the number of compiled shapes: pass it as a static argument of the jitted step. With the
+  batch split into ``num_shards`` shards along its first dimension, the capacity of each
+  shard (``use_sebp(top_n=...)`` counts per shard): the fullest shard's real tokens, rounded
+  up, at most a shard's rows."""
   multiple = validate_top_n(multiple, "multiple")
   num_shards = validate_top_n(num_shards, "num_shards")
   mask = np.asarray(mask)

@@ -136,9 +136,9 @@ def _assert_tables_cross_as_rows(sebp: dict, dense: dict) -> None:
 def test_model_benchmark_records_one_and_two_devices(tmp_path):
   """Every record written and complete, on one device and on two (--devices 2 --fsdp: the
   weight matrices split over both; the step only), the second run measured against the
-  first's one-device records in the same --out file. The LM-head modes run only for a model with a head (BERT
-  has none); SEBP's step, packed or not, gathers and reduces as the dense one does, but for
-  the embedding tables' gradients (:func:`_assert_tables_cross_as_rows`)."""
+  first's one-device records in the same --out file. The LM-head modes run only for a model
+  with a head (BERT has none); SEBP's step, packed or not, gathers and reduces as the dense
+  one does, but for the embedding tables' gradients (:func:`_assert_tables_cross_as_rows`)."""
   out = tmp_path / "model.jsonl"
   modes = ["dense", "sebp_shared", "sebp_packed"]
   common = ["--tiny", "--model", "bert", "--repeats", "1", "--rounds", "2", "--out", str(out)]
@@ -514,6 +514,12 @@ def test_shards_hold_the_one_device_lengths_or_their_own():
     model.make_batch("llama", net, setup, seed=5, shards=2, shard_lengths="even")
   with pytest.raises(SystemExit):
     model.main(["--tiny", "--model", "llama", "--devices", "2", "--balance"])
+
+
+def test_more_devices_than_the_machine_has_is_a_usage_error(capsys):
+  with pytest.raises(SystemExit):
+    model.main(["--tiny", "--model", "bert", "--devices", f"1,{jax.device_count() + 1}"])
+  assert f"this machine has {jax.device_count()}" in capsys.readouterr().err
 
 
 def test_compiler_options_parse_as_xla_values():

@@ -12,7 +12,7 @@ import pytest
 from examples import finetune_bert_sst2, finetune_llama, finetune_llama_nnx
 from examples.common import (fit, max_loss_difference, speedups, strict_json,
                              time_forward_backward)
-from examples.datasets import DATA_DIR
+from examples.datasets import DATA_DIR, SST2_FILES, WIKITEXT2_FILES
 
 EXAMPLES = [finetune_bert_sst2, finetune_llama, finetune_llama_nnx]
 
@@ -51,6 +51,27 @@ def test_counts_must_be_positive(capsys):
     assert example.parse_args(["--max-length", str(longest)]).max_length == longest
 
 
+def test_paths_are_checked_before_a_model_loads(tmp_path, capsys):
+  """A --data-dir without the run's files and an --out under a file are usage errors at
+  once, not a traceback after the model has loaded; an --out yet to be made is fine."""
+  from examples import profile_sparsity
+  for parse, missing in ((finetune_bert_sst2.parse_args, "sst2/train.tsv"),
+                         (finetune_llama.parse_args, "wikitext2/valid.txt"),
+                         (finetune_llama_nnx.parse_args, "wikitext2/valid.txt"),
+                         (profile_sparsity.parse_args, "sst2/train.tsv")):
+    with pytest.raises(SystemExit):
+      parse(["--data-dir", str(tmp_path)])
+    assert f"--data-dir {tmp_path}: no {missing} there" in capsys.readouterr().err
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  with pytest.raises(SystemExit):
+    finetune_llama.parse_args(["--out", str(a_file / "run")])
+  assert f"--out {a_file / 'run'}: {a_file} is not a folder to write in" in (
+      capsys.readouterr().err)
+  assert finetune_llama.parse_args(["--out", str(tmp_path / "new" / "run")]).out == (
+      tmp_path / "new" / "run")
+
+
 def test_more_bert_steps_than_sst2_holds_is_a_usage_error():
   """The carried SST-2 training set makes 60,614 // 32 batches: more --steps stop with a
   message (they trained fewer steps than asked, on a schedule made for the steps asked)."""
@@ -78,6 +99,9 @@ def test_help_describes_every_option_with_one_default(example, capsys):
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda example: example.__name__)
 def test_data_dir_defaults_to_the_carried_data(example, tmp_path):
   assert example.parse_args([]).data_dir == DATA_DIR
+  for name in SST2_FILES + WIKITEXT2_FILES:  # Another folder holding the files.
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text("")
   assert example.parse_args(["--data-dir", str(tmp_path)]).data_dir == tmp_path
 
 
