@@ -65,14 +65,14 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
     positions get exactly zero weight, so their rows of every layer's output gradient are
     exactly zero (what SEBP with a shared mask index relies on).
   """
-  if jnp.ndim(logits) != 3:
-    raise ValueError(f"logits must be [B, L, V], got shape {jnp.shape(logits)}")
+  if np.ndim(logits) != 3:
+    raise ValueError(f"logits must be [B, L, V], got shape {np.shape(logits)}")
   batch, length, vocab = logits.shape
   for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask)):
-    if jnp.shape(array) != (batch, length):
+    if np.shape(array) != (batch, length):
       raise ValueError(f"{name} must be [B, L] = {(batch, length)}, the logits' first two "
                        f"dimensions (position t's logits predict token t + 1 of the same "
-                       f"[B, L]), got shape {jnp.shape(array)}")
+                       f"[B, L]), got shape {np.shape(array)}")
   input_ids = _token_ids(input_ids, "input_ids")
   if head_chunk is not None and head_chunk != "auto" and not (
       isinstance(head_chunk, numbers.Integral) and not isinstance(head_chunk, bool)
@@ -297,17 +297,17 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   chunk, so each chunk's logits are made once; a call that is not differentiated computes
   the value only.
   """
-  if jnp.ndim(inputs) != 2 or jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != jnp.shape(
+  if np.ndim(inputs) != 2 or np.ndim(kernel) != 2 or np.shape(kernel)[0] != np.shape(
       inputs)[1]:
     raise ValueError(f"inputs must be [N, D] and kernel [D, V], got shapes "
-                     f"{jnp.shape(inputs)} and {jnp.shape(kernel)}")
-  num_rows, vocab = jnp.shape(inputs)[0], jnp.shape(kernel)[1]
-  if bias is not None and jnp.shape(bias) != (vocab,):
-    raise ValueError(f"bias must be [V] = {(vocab,)} or None, got shape {jnp.shape(bias)}")
+                     f"{np.shape(inputs)} and {np.shape(kernel)}")
+  num_rows, vocab = np.shape(inputs)[0], np.shape(kernel)[1]
+  if bias is not None and np.shape(bias) != (vocab,):
+    raise ValueError(f"bias must be [V] = {(vocab,)} or None, got shape {np.shape(bias)}")
   for name, array in (("labels", labels), ("weights", weights)):
-    if jnp.shape(array) != (num_rows,):
+    if np.shape(array) != (num_rows,):
       raise ValueError(f"{name} must be [N] = {(num_rows,)}, one per row of inputs, got shape "
-                       f"{jnp.shape(array)}")
+                       f"{np.shape(array)}")
   if not (isinstance(chunk, numbers.Integral) and not isinstance(chunk, bool) and chunk > 0):
     raise ValueError(f"chunk must be a positive int, got {chunk!r}")
   # As the Dense head computes: in the operands' common dtype (the backward casts back).
