@@ -363,6 +363,9 @@ class use_sebp(SEBPContext):
     is_dense = isinstance(module, nn.Dense)
     is_embed = isinstance(module, nn.Embed)
     if context.method_name != "__call__" or not (is_dense or is_embed):
+      other = context.method_name == "__call__" and model_families.other_linear_layer(module)
+      if other:
+        self.report.skipped[module_path(module)] = other
       return next_fun(*args, **kwargs)
     if is_embed and not self.embeddings:
       if not isinstance(module, SEBPEmbed):

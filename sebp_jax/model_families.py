@@ -201,18 +201,37 @@ def input_layout(owner: Any) -> str | None:
   """What the model family of ``owner``, the module that holds a layer, says of the layer's
   rows (:data:`BATCH_MAJOR`, :data:`ENCODER_DECODER`), or
   None where it is not known. transformers' Flax models feed every layer ``[B, L, ...]``
-  rows, but an encoder-decoder's two stacks see different tokens; Tunix's NNX models are
-  batch-major (``"BTD,DNH->BTNH"``)."""
+  rows, but an encoder-decoder's two stacks see different tokens: a layer is the
+  encoder-decoder's where the config of its owner or of any module around it says so (T5
+  hands its stacks configs that do not); Tunix's NNX models are batch-major
+  (``"BTD,DNH->BTNH"``)."""
   module = type(owner).__module__
   if module.startswith("transformers.models."):
-    config = getattr(owner, "config", None)
-    if getattr(config, "is_encoder_decoder", False) or (
-        getattr(config, "is_decoder", False) and getattr(config, "add_cross_attention", False)):
-      return ENCODER_DECODER
+    around = owner
+    while isinstance(around, nn.Module):
+      config = getattr(around, "config", None)
+      if getattr(config, "is_encoder_decoder", False) or (
+          getattr(config, "is_decoder", False) and getattr(config, "add_cross_attention", False)):
+        return ENCODER_DECODER
+      around = around.parent
     return BATCH_MAJOR
   if module.startswith("tunix.models."):
     return BATCH_MAJOR
   return None
+
+
+#: transformers' linear layers that are not ``nn.Dense`` (so not swapped), by class name:
+#: ``use_sebp`` lists them as left dense.
+OTHER_LINEAR_LAYERS = {"FlaxConv1D": "transformers' FlaxConv1D (GPT-2's linear layer), not an "
+                                     "nn.Dense"}
+
+
+def other_linear_layer(module: nn.Module) -> str | None:
+  """Why ``module``, a linear layer of transformers' that is not an ``nn.Dense``, stays
+  dense; None for any other module."""
+  if not _from_transformers(module):
+    return None
+  return OTHER_LINEAR_LAYERS.get(type(module).__name__)
 
 
 def region_family(module: nn.Module) -> PackedFamily | None:

@@ -16,7 +16,7 @@ import pytest
 from transformers import (BertConfig, FlaxBertForMaskedLM, FlaxBertForSequenceClassification,
                           FlaxLlamaForCausalLM, LlamaConfig)
 
-from sebp_jax import RowLog, use_sebp
+from sebp_jax import RowLog, model_families, use_sebp
 from tests.model_testing import (assert_every_gradient_close, branches, causal_lm_loss,
                                  classification_loss)
 
@@ -305,6 +305,31 @@ def test_layers_holding_parameters_they_do_not_read_stay_dense():
   for path in ("up", "down"):
     assert report.skipped[path].startswith(
         "parameters its computation does not read (kernel_lora_a, kernel_lora_b)")
+
+
+def test_gpt2s_linear_layers_are_listed_as_left_dense():
+  """GPT-2's linear layers are transformers' FlaxConv1D, not nn.Dense: the embeddings alone
+  run SEBP, and the report says so of the others."""
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+  from sebp_jax.losses import masked_causal_lm_loss
+  gpt2 = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=16, n_layer=1,
+                                        n_head=2), seed=0)
+  ids, mask = _padded_batch(np.random.default_rng(36), 3, 8, 60)
+  reports = []
+
+  def loss(params, sebp):
+    with use_sebp(active_mask=mask, backend="xla") if sebp else nullcontext() as report:
+      reports.append(report)
+      logits = gpt2(ids, attention_mask=mask, params=params).logits
+    return masked_causal_lm_loss(logits, ids, mask)
+
+  assert_every_gradient_close(jax.grad(loss)(gpt2.params, True),
+                              jax.grad(loss)(gpt2.params, False))
+  report = reports[0]
+  assert report.swapped == [] and report.embeddings == ["transformer/wte", "transformer/wpe"]
+  for layer in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj"):
+    assert report.skipped[f"transformer/h/0/{layer}"].startswith("transformers' FlaxConv1D")
 
 
 def test_bad_arguments():
@@ -782,6 +807,25 @@ def test_an_encoder_decoder_model_refuses_one_mask_and_is_exact_without():
   grad = jax.jit(jax.grad(loss), static_argnums=1)
   assert_every_gradient_close(grad(bart.params, (("lm_head", True), ("backend", "xla"))),
                               grad(bart.params, None))
+
+
+def test_every_layer_of_an_encoder_decoder_is_known_as_one():
+  """T5 hands its stacks configs that say nothing of the encoder-decoder around them: the
+  model's own config does, so every layer is refused one mask, not the shared embedding
+  alone (with it left out, the decoder's layers took the encoder's index). T5's Flax model
+  does not run on jax 0.10 (transformers calls ``jnp.clip(a_max=)``); its module binds."""
+  from transformers import BertConfig, T5Config
+  from transformers.models.bert.modeling_flax_bert import FlaxBertForCausalLMModule
+  from transformers.models.t5.modeling_flax_t5 import FlaxT5ForConditionalGenerationModule
+  config = T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+  t5 = FlaxT5ForConditionalGenerationModule(config).bind({"params": {}})
+  for stack in (t5.encoder, t5.decoder):
+    attention = stack.block.blocks[0].layer.layer[0].SelfAttention
+    assert not attention.config.is_encoder_decoder
+    assert model_families.input_layout(attention) == model_families.ENCODER_DECODER
+  bert = FlaxBertForCausalLMModule(BertConfig(is_decoder=True)).bind({"params": {}})
+  assert (model_families.input_layout(bert.bert.encoder.layer.layers[0].attention.self)
+          == model_families.BATCH_MAJOR)
 
 
 def test_a_context_around_a_jitted_call_never_runs_another_contexts_program():
