@@ -45,7 +45,8 @@ AttentionCore = Callable[..., Any]
 
 def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
                         arguments: dict) -> tuple:
-  """``FlaxBertSelfAttention`` / ``FlaxRobertaSelfAttention`` with ``attention_core``."""
+  """A BERT-style self-attention (``FlaxBertSelfAttention`` and its copies) with
+  ``attention_core``."""
   config = module.config
   if arguments.get("key_value_states") is not None or module.causal:
     _refuse("a BERT-style model", "cross-attention or causal (decoder) attention")
@@ -112,11 +113,16 @@ class PackedFamily:
   first_token_heads: tuple[str, ...] = ()
 
 
+_BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
 FAMILIES = (
-    PackedFamily("BERT/RoBERTa encoder", ("FlaxBertEncoder", "FlaxRobertaEncoder"),
-                 "hidden_states", ("FlaxBertSelfAttention", "FlaxRobertaSelfAttention"),
+    # transformers' copies of BERT's encoder: RoBERTa, XLM-RoBERTa, RoBERTa-PreLayerNorm
+    # (its final norm outside the encoder), ELECTRA.
+    PackedFamily("BERT-style encoder",
+                 tuple(f"Flax{name}Encoder" for name in _BERT_STYLE),
+                 "hidden_states", tuple(f"Flax{name}SelfAttention" for name in _BERT_STYLE),
                  bert_self_attention,
-                 ("FlaxBertPooler", "FlaxRobertaPooler", "FlaxRobertaClassificationHead")),
+                 tuple(f"Flax{name}{head}" for name in _BERT_STYLE
+                       for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
     PackedFamily("Llama/Mistral decoder", ("FlaxLlamaModule", "FlaxMistralModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
 )

@@ -460,6 +460,30 @@ def test_roberta_packed_gradients_equal_dense(tiny_roberta):
   assert reports[0].packed == ["roberta/encoder"] and reports[0].capacity == capacity
 
 
+@pytest.mark.parametrize("family", ["XLMRoberta", "RobertaPreLayerNorm", "Electra"])
+def test_transformers_copies_of_bert_pack(family):
+  """XLM-RoBERTa, RoBERTa-PreLayerNorm (its last norm after the encoder) and ELECTRA copy
+  BERT's encoder: packed, their gradients are the dense ones; their heads that read the first
+  column refuse a mask with padding there."""
+  import transformers
+  config = _encoder_config(getattr(transformers, f"{family}Config"), pad_token_id=1,
+                           **({"embedding_size": 8} if family == "Electra" else {}))
+  model = getattr(transformers, f"Flax{family}ForSequenceClassification")(config, seed=4)
+  rng = np.random.default_rng(15)
+  mask = _mask(rng, "right")
+  reports = []
+  batch = _classifier_batch(rng, model, mask, pad_id=1)
+  packed = packed_grad(classifier_loss, model, int(mask.sum()), reports)
+  assert_matches_dense(packed(model.params, *batch), dense_grad(classifier_loss, model)(
+      model.params, *batch))
+  (packed_region,) = reports[0].packed
+  assert packed_region.endswith("/encoder")
+  ids, _, labels, head_mask = batch
+  with pytest.raises(ValueError, match=f"Flax{family}ClassificationHead reads the first column"):
+    jax.eval_shape(lambda p: classifier_loss(model, int(mask.sum()), [])(
+        p, ids[:, ::-1], mask[:, ::-1].copy(), labels, head_mask), model.params)
+
+
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
   """``(ids, mask, positions)``. Right padding and holes: the default positions; left
   padding: each token's position in its sequence."""
