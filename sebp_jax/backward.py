@@ -38,7 +38,7 @@ from jax import lax
 from sebp_jax.cost_model import choose_counted, choose_implementation
 from sebp_jax.implementations import (accumulation_dtype, gather_rows, get_implementation,
                                       checks_varying_axes, with_poison)
-from sebp_jax.selection import (RowStatistics, capacity_ladder, row_statistics,
+from sebp_jax.selection import (RowStatistics, capacity_ladder, nan_as_inf, row_statistics,
                                 select_from_scores, threshold_below)
 
 Array = jax.Array
@@ -64,10 +64,9 @@ def _first_order_only_jvp(primals, tangents):
 
 def row_max_abs(dy: Array) -> Array:
   """Each row's max ``|value|`` of ``dy: [T, F]``: one read of dY that fuses with its
-  producer. NaN where a row has one: XLA's max propagates NaN by default (the GPU flag
-  ``--xla_gpu_enable_fast_min_max`` would break that)."""
+  producer. Inf where a row holds NaN or Inf (:func:`nan_as_inf`)."""
   # The initial 0 is below every |value| and lets an empty dY through.
-  return jnp.max(jnp.abs(dy), axis=1, initial=0)
+  return jnp.max(nan_as_inf(jnp.abs(dy)), axis=1, initial=0)
 
 
 def stray_rows(row_max: Array, listed: Array, threshold: float) -> Array:
@@ -81,8 +80,8 @@ def stray_rows(row_max: Array, listed: Array, threshold: float) -> Array:
 def index_poison(row_max: Array, stray: Array) -> Array:
   """A float32 scalar for dW and db: NaN where a row is not finite or ``stray``
   (:func:`stray_rows`), else 0."""
-  # NaN propagates through max; |Inf| * 0 is NaN. Multiplied before the cast, so that a
-  # finite float64 value past float32's range stays 0.
+  # Inf * 0 is NaN (row_max holds no NaN). Multiplied before the cast, so that a finite
+  # float64 value past float32's range stays 0.
   not_finite = (jnp.max(row_max, initial=0) * 0).astype(jnp.float32)
   return jnp.where(jnp.any(stray), jnp.nan, not_finite).astype(jnp.float32)
 

@@ -44,6 +44,12 @@ def score_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(jnp.finfo(dtype).dtype, jnp.float32)
 
 
+def nan_as_inf(magnitudes: Array) -> Array:
+  """``magnitudes`` with NaN read as +Inf, for a max that must not be finite wherever a value
+  is not: XLA:CPU's vectorized max drops NaN (openxla/xla#21461), never Inf."""
+  return jnp.where(jnp.isnan(magnitudes), jnp.inf, magnitudes)
+
+
 def row_magnitudes(dy: Array) -> Array:
   """``|dy|`` in :func:`score_dtype`; a complex entry's modulus, imaginary part included."""
   return jnp.abs(dy).astype(score_dtype(dy.dtype))
@@ -98,8 +104,8 @@ def row_statistics(dy: Array, threshold: float) -> RowStatistics:
   """Scores the rows of ``dy: [T, N]`` in one pass: :class:`RowStatistics`."""
   magnitudes = row_magnitudes(dy)
   squared_norm = jnp.sum(magnitudes * magnitudes, axis=-1)
-  max_abs = jnp.max(magnitudes, axis=-1, initial=0)
-  # max propagates NaN. A row holding NaN or Inf scores Inf, above every finite row, that one
+  max_abs = jnp.max(nan_as_inf(magnitudes), axis=-1, initial=0)
+  # Inf where a row holds NaN or Inf. Such a row scores Inf, above every finite row, that one
   # whose squares overflow the score dtype included: that one scores the dtype's largest.
   finite = jnp.isfinite(max_abs)
   active = (max_abs > threshold_below(threshold, max_abs.dtype)) | ~finite

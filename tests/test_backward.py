@@ -317,6 +317,28 @@ def test_nan_outside_a_given_index_poisons_dkernel_and_dbias(backend, top_n):
   assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
 
 
+@pytest.mark.parametrize("index_given", [False, True])
+@pytest.mark.parametrize("whole_row", [True, False])
+def test_a_nan_row_is_not_finite_where_xla_cpus_max_drops_nan(index_given, whole_row):
+  """Under jit, XLA:CPU's vectorized max drops NaN in rows of 512 features and more
+  (openxla/xla#21461): a padding row all NaN (a loss made NaN on purpose) was read as a zero
+  row, skipped, and every gradient came back finite."""
+  x, kernel, dy = _problem(10, num_nonzero=20, num_rows=128, out_features=512)
+  index = jnp.asarray(np.flatnonzero(np.any(np.asarray(dy) != 0, axis=1)), jnp.int32)
+  padding = int(np.setdiff1d(np.arange(128), np.asarray(index))[0])
+  dy = dy.at[padding].set(jnp.nan) if whole_row else dy.at[padding, 300].set(jnp.nan)
+  assert not np.isfinite(np.asarray(jax.jit(row_max_abs)(dy))[padding])
+  dx, dkernel, dbias = _backward(x, kernel, dy, top_n="auto",
+                                 active_rows=index if index_given else None)
+  if index_given:  # A non-finite row outside the index poisons dW and db whole.
+    assert np.all(np.isnan(dkernel)) and np.all(np.isnan(dbias))
+  else:  # The row is kept: NaN where jax.grad's gradients are.
+    want = jax.vjp(lambda x, kernel: x @ kernel, x, kernel)[1](dy)
+    for got, expected in zip((dx, dkernel), want):
+      np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    assert np.isnan(np.asarray(dx)[padding]).all() and np.isnan(dbias).any()
+
+
 @pytest.mark.parametrize("options, kept, capacity", [
     (dict(top_n="auto"), 20, 32), (dict(top_n=10), 20, NUM_ROWS),
     (dict(top_n=10, overflow="drop"), 10, 10), (dict(top_n=10, overflow="nan"), 10, 10)])
