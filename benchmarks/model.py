@@ -1000,7 +1000,7 @@ def main(argv=None) -> list[dict]:
     if any(devices != jax.device_count() for devices in args.devices):
       parser.error(f"--devices {','.join(map(str, args.devices))}: with --processes every "
                    f"run spans all {jax.device_count()} devices of the processes")
-  elif args.processes == 1 and max(args.devices) > jax.device_count():
+  elif max(args.devices) > jax.device_count():
     parser.error(f"--devices {max(args.devices)}: this machine has {jax.device_count()} (on a "
                  "CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
   quiet = jax.process_index() != 0

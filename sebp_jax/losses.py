@@ -288,8 +288,8 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
     kernel: ``[D, V]``; bias: ``[V]`` or None.
     labels: ``int[N]`` in ``[0, V)``; one outside it at a non-zero weight makes the sum and
       every gradient NaN.
-    weights: ``float32[N]``; a NaN weight makes the sum and every gradient NaN. Their
-      gradient is each row's cross-entropy.
+    weights: ``[N]``, read in float32 (float64 for a float64 head); a NaN weight makes the
+      sum and every gradient NaN. Their gradient is each row's cross-entropy.
     chunk: rows per chunk.
     precision: of the matmuls.
 
@@ -314,8 +314,7 @@ def linear_cross_entropy(inputs: jax.Array, kernel: jax.Array, bias: jax.Array |
   dtype = jnp.result_type(*(a for a in (inputs, kernel, bias) if a is not None))
   inputs, kernel, bias = (None if a is None else jnp.asarray(a, dtype)
                           for a in (inputs, kernel, bias))
-  weights = jnp.asarray(weights)
-  weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+  weights = jnp.asarray(weights, _loss_dtype(dtype))
   labels, weights = _labels_in_vocabulary(_token_ids(labels, "labels"), weights, vocab)
   return _linear_cross_entropy(*vary_alike(inputs, kernel, bias, labels, weights),
                                min(int(chunk), max(num_rows, 1)), precision)
@@ -330,7 +329,7 @@ def _linear_cross_entropy(inputs, kernel, bias, labels, weights, chunk, precisio
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
   # In a shard_map the sums vary as the rows.
-  start, _ = vary_alike(jnp.zeros((), _sum_of_losses_dtype(inputs, weights)), inputs)
+  start, _ = vary_alike(jnp.zeros((), _loss_dtype(inputs.dtype)), inputs)
   total, _ = jax.lax.scan(chunk_sum, start, chunks)
   return total
 
@@ -355,7 +354,7 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
 
   chunks = tuple(_padded_chunks(a, chunk) for a in (inputs, labels, weights))
   sum_dtype = _loss_dtype(kernel.dtype)
-  *start, _ = vary_alike(jnp.zeros((), _sum_of_losses_dtype(inputs, weights)),
+  *start, _ = vary_alike(jnp.zeros((), _loss_dtype(inputs.dtype)),
                         jnp.zeros(kernel.shape, sum_dtype), jnp.zeros(kernel.shape[-1:], sum_dtype),
                         inputs)
   (total, kernel_grad, bias_grad), (rows_grad, row_loss) = jax.lax.scan(
@@ -373,10 +372,6 @@ def _linear_cross_entropy_fwd(inputs, kernel, bias, labels, weights, chunk, prec
   dtypes = tuple(None if a is None else jnp.zeros((), a.dtype)
                  for a in (inputs, kernel, bias, weights))
   return total, (grads, labels, dtypes)
-
-
-def _sum_of_losses_dtype(inputs, weights):
-  return jnp.promote_types(_loss_dtype(inputs.dtype), weights.dtype)
 
 
 def _sum_dtype(dtype):

@@ -263,33 +263,30 @@ def _swapped_call(self, *args, **kwargs) -> Array:
     # Another thread, outside the context that swapped the layer (which is per thread, as
     # Linen's is), or a copy of the model kept from inside it: the layer's own forward.
     return dense_forward(self, *args, **kwargs)
-  called = _call_arguments(type(self).__base__, self, args, kwargs)
-  if called is None:  # Arguments the layer's own __call__ does not take: its own error.
-    return dense_forward(self, *args, **kwargs)
-  inputs, extra = called
-  if extra:
-    # out_sharding, or an einsum_str given at call time: the layer's own code.
-    context.report.skipped[swap.path] = f"called with extra arguments {extra}"
-    return dense_forward(self, *args, **kwargs)
   context.layers_seen += 1
-  return context.run_layer(self, swap, inputs)
+  called = _call_arguments(type(self).__base__, self, args, kwargs)
+  if isinstance(called, str):
+    # out_sharding, or an einsum_str given at call time: the layer's own code (and its own
+    # error for arguments it does not take).
+    context.report.skipped[swap.path] = called
+    return dense_forward(self, *args, **kwargs)
+  return context.run_layer(self, swap, called)
 
 
-def _call_arguments(cls: type, module: nnx.Module, args: tuple,
-                    kwargs: dict) -> tuple[Array, list[str]] | None:
-  """``(inputs, extra)`` of a call of ``cls.__call__``: its first argument (given by position
-  or by name) and the names of the others given other than None; None where the call does
-  not bind."""
+def _call_arguments(cls: type, module: nnx.Module, args: tuple, kwargs: dict) -> Array | str:
+  """The input of a call of ``cls.__call__``: its first argument, given by position or by
+  name; or why the call is left to the layer's own code (the names of other arguments given
+  other than None, or no input to read)."""
   signature = _call_signature(cls)
-  if len(signature.parameters) < 2:
-    return None
   try:
     bound = signature.bind(module, *args, **kwargs)
   except TypeError:
-    return None
-  _, first, *others = signature.parameters.values()
-  if first.kind is inspect.Parameter.VAR_POSITIONAL or first.name not in bound.arguments:
-    return None
+    return "called with arguments its __call__ does not take"
+  parameters = list(signature.parameters.values())[1:]  # After self.
+  if (not parameters or parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
+      or parameters[0].name not in bound.arguments):
+    return "called without an input argument of its own to read"
+  first, *others = parameters
   extra = []
   for parameter in others:
     value = bound.arguments.get(parameter.name)
@@ -299,7 +296,7 @@ def _call_arguments(cls: type, module: nnx.Module, args: tuple,
       extra += [f"*{parameter.name}"] if value else []
     elif value is not None:
       extra.append(parameter.name)
-  return bound.arguments[first.name], extra
+  return f"called with extra arguments {extra}" if extra else bound.arguments[first.name]
 
 
 @functools.cache

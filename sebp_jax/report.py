@@ -47,7 +47,8 @@ class RowLog:
   ``active``, ``kept``, ``capacity``, ``dropped_share`` (dropped / total squared norm of
   dY; NaN when dY is not finite, or when a row's squares overflow float32, ``|dY|`` above about
   1e19) and, with ``row_values=True``, ``row_max_abs`` and
-  ``row_squared_norm``: each row's max ``|value|`` and squared L2 norm of dY, numpy
+  ``row_squared_norm``: each row's max ``|value|`` (Inf for a row holding NaN) and squared
+  L2 norm of dY, numpy
   arrays of T in float32 (float64 for float64 dY; None otherwise), for
   :mod:`sebp_jax.analysis` and heat maps.
   """

@@ -816,13 +816,18 @@ def test_every_layer_of_an_encoder_decoder_is_known_as_one():
   does not run on jax 0.10 (transformers calls ``jnp.clip(a_max=)``); its module binds."""
   from transformers import BertConfig, T5Config
   from transformers.models.bert.modeling_flax_bert import FlaxBertForCausalLMModule
-  from transformers.models.t5.modeling_flax_t5 import FlaxT5ForConditionalGenerationModule
+  from transformers.models.t5.modeling_flax_t5 import (FlaxT5EncoderModule,
+                                                       FlaxT5ForConditionalGenerationModule)
   config = T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
   t5 = FlaxT5ForConditionalGenerationModule(config).bind({"params": {}})
+  attention = lambda stack: stack.block.blocks[0].layer.layer[0].SelfAttention
   for stack in (t5.encoder, t5.decoder):
-    attention = stack.block.blocks[0].layer.layer[0].SelfAttention
-    assert not attention.config.is_encoder_decoder
-    assert model_families.input_layout(attention) == model_families.ENCODER_DECODER
+    assert not attention(stack).config.is_encoder_decoder
+    assert model_families.input_layout(attention(stack)) == model_families.ENCODER_DECODER
+  # The encoder-only model keeps the encoder-decoder's config, but has no decoder.
+  encoder_only = FlaxT5EncoderModule(config).bind({"params": {}})
+  assert (model_families.input_layout(attention(encoder_only.encoder))
+          == model_families.BATCH_MAJOR)
   bert = FlaxBertForCausalLMModule(BertConfig(is_decoder=True)).bind({"params": {}})
   assert (model_families.input_layout(bert.bert.encoder.layer.layers[0].attention.self)
           == model_families.BATCH_MAJOR)

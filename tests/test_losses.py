@@ -297,6 +297,11 @@ def test_float64_is_computed_in_float64_under_x64():
     ids, mask = np.array([[0, 1, 0, 1]]), np.ones((1, 4), np.int32)
     loss, logits_grad = jax.value_and_grad(masked_causal_lm_loss)(jnp.asarray(logits), ids,
                                                                    mask)
+    # A float32 head with numpy's float64 weights: read in float32, the head's dtype.
+    narrow = jax.grad(lambda i: linear_cross_entropy(i, jnp.asarray(kernel, jnp.float32), None,
+                                                     labels, weights, chunk=4))(
+                                                         jnp.asarray(inputs, jnp.float32))
+  assert narrow.dtype == jnp.float32 and np.isfinite(narrow).all()
   want = _head_reference(inputs, kernel, None, labels, weights)
   assert value.dtype == jnp.float64 and grads[0].dtype == grads[1].dtype == jnp.float64
   np.testing.assert_allclose(value, want[0], rtol=1e-8)

@@ -437,7 +437,12 @@ def test_layers_are_called_as_their_own_call_takes_them():
     def __call__(self, x, scale=None):
       return jnp.einsum(self.spec, x, self.w[...]) * (1 if scale is None else scale)
 
-  sebp_nnx.register_einsum(LibraryEinsum, kernel="w", einsum_str="spec")
+  class StarredEinsum(LibraryEinsum):  # Its input among *inputs: no argument of its own.
+    def __call__(self, *inputs):
+      return jnp.einsum(self.spec, inputs[0], self.w[...])
+
+  for cls in (LibraryEinsum, StarredEinsum):
+    sebp_nnx.register_einsum(cls, kernel="w", einsum_str="spec")
 
   class Model(nnx.Module):
     def __init__(self, rngs):
@@ -447,11 +452,12 @@ def test_layers_are_called_as_their_own_call_takes_them():
                                rngs=rngs)
       self.library = LibraryEinsum(rngs)
       self.scaled = LibraryEinsum(rngs)
+      self.starred = StarredEinsum(rngs)
 
     def __call__(self, ids):
       h = self.embed(ids)
       h = jnp.tanh(self.linear(inputs=h)) + self.einsum(h)
-      return self.library(x=h) + self.scaled(h, 2.0)
+      return self.library(x=h) + self.scaled(h, 2.0) + self.starred(h)
 
   model = Model(nnx.Rngs(3))
   ids, mask = _batch(9)
@@ -460,8 +466,9 @@ def test_layers_are_called_as_their_own_call_takes_them():
   assert_every_gradient_close(got, want)
   with sebp_nnx.use_sebp(model, active_mask=mask) as report:
     model(ids)
-  assert report.swapped == ["einsum", "library", "linear", "scaled"]
-  assert report.skipped == {"scaled": "called with extra arguments ['scale']"}
+  assert report.swapped == ["einsum", "library", "linear", "scaled", "starred"]
+  assert report.skipped == {"scaled": "called with extra arguments ['scale']",
+                            "starred": "called without an input argument of its own to read"}
 
 
 def test_the_drop_ins_run_their_own_sebp_inside_a_context():
@@ -476,9 +483,16 @@ def test_the_drop_ins_run_their_own_sebp_inside_a_context():
 
   model = Model(nnx.Rngs(4))
   ids, mask = _batch(10)
-  want = _grads(model, _masked_loss, ids, mask)
+  exact = _grads(model, _masked_loss, ids, mask)
   got = _grads(model, _masked_loss, ids, mask, dict(active_mask=mask, backend="xla"))
-  assert_every_gradient_close(got, want)
+  assert_every_gradient_close(got, exact)
+  # Their own options: a capacity that drops rows changes the drop-in's gradient alike, in a
+  # context and outside it.
+  model.own.top_n, model.own.overflow = 2, "drop"
+  dropped = _grads(model, _masked_loss, ids, mask)
+  got = _grads(model, _masked_loss, ids, mask, dict(active_mask=mask, backend="xla"))
+  assert_every_gradient_close(got, dropped)
+  assert not np.allclose(dropped["own"]["kernel"][...], exact["own"]["kernel"][...])
   with sebp_nnx.use_sebp(model, active_mask=mask) as report:
     model(ids)
   assert report.swapped == ["plain"] and report.embeddings == [] and report.skipped == {}
