@@ -1,5 +1,5 @@
-"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT and Llama (Linen),
-and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
+"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, Llama and GPT-2
+(Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
 of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one
@@ -62,8 +62,8 @@ Modes:
                  (dX still written as zeros) and the embeddings on SEBP's shared index: no SEBP
                  backward can be faster than this
   sebp_lm_head   sebp_shared with the LM head swapped too (``use_sebp(lm_head=True)``; exact
-                 under the masked causal-LM loss; Llama only)
-  bound_lm_head  the bound of sebp_lm_head: the LM head's matmuls removed too (Llama only)
+                 under the masked causal-LM loss; Llama: GPT-2's head, tied, stays dense)
+  bound_lm_head  the bound of sebp_lm_head: the LM head's matmuls removed too (Llama)
   longest_<mode> the batch padded only to its longest sequence (rounded up to 64), in <mode>
                  (dense, dense_fast_attention, sebp_shared, sebp_packed)
 
@@ -158,6 +158,9 @@ SETUPS = {
     # 8k real tokens a batch.
     "llama_long": Setup("Llama-3.2-1B shapes, long context (WikiText-2 sections)", 16, 2560,
                         "wikitext2_valid_sections_smollm2_bpe.json", has_lm_head=True),
+    # Byte-level BPE as SmolLM2's: WikiText-2 paragraphs of about the same token counts.
+    "gpt2": Setup("GPT-2 small shapes (GPT2Config(), LM head tied to the embeddings)", 8, 1024,
+                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
     "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
                        "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
@@ -216,9 +219,13 @@ def build_nnx_llama(tiny: bool, param_dtype) -> NNXModel:
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
   from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                            FlaxLlamaForCausalLM, LlamaConfig)
+                            FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, LlamaConfig)
   if SETUPS[kind].nnx:
     return build_nnx_llama(tiny, SETUPS[kind].param_dtype)
+  if kind == "gpt2":
+    config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+              if tiny else GPT2Config())
+    return FlaxGPT2LMHeadModel(config, seed=0, dtype=dtype)
   if kind == "bert":
     config = BertConfig(num_labels=2)
     if tiny:
@@ -308,7 +315,8 @@ def linear_backward_removed(lm_head: bool):
 
   def interceptor(next_fun, args, kwargs, context):
     module = context.module
-    if (context.method_name == "__call__" and isinstance(module, nn.Dense)
+    if (context.method_name == "__call__"
+        and (isinstance(module, nn.Dense) or model_families.is_conv1d(module))
         and selection.skip_reason(module) is None):
       y = jax.lax.stop_gradient(next_fun(*args, **kwargs))
       return _without_backward_matmuls(args[0], y)

@@ -1,9 +1,10 @@
 """``use_sebp``: run every ``flax.linen.Dense`` of an unmodified model through SEBP.
 
 The interceptor (``flax.linen.intercept_methods``) replaces the ``__call__`` of each selected
-``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call` and, unless ``embeddings=False``, of
-each ``nn.Embed`` by :func:`sebp_jax.layers.sebp_embed_call`: same params, same forward,
-SEBP backward. Nothing in the model's code or its params changes.
+``nn.Dense`` by :func:`sebp_jax.layers.sebp_dense_call` (of transformers' ``FlaxConv1D``,
+GPT-2's linear layer, by :func:`sebp_jax.layers.sebp_conv1d_call`) and, unless
+``embeddings=False``, of each ``nn.Embed`` by :func:`sebp_jax.layers.sebp_embed_call`: same
+params, same forward, SEBP backward. Nothing in the model's code or its params changes.
 
 It acts while a function is *traced*. Its options and a concrete mask's contents are part of
 ``jax.jit``'s cache key (:data:`sebp_jax.context._JIT_KEY`), so a function jitted outside the
@@ -31,7 +32,7 @@ from sebp_jax import model_families
 from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
                               SEBPReport, record, unread_parameters_reason, validate_switch)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
-                             sebp_dense_call, sebp_embed_call)
+                             sebp_conv1d_call, sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import remember_packed
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_first_tokens,
@@ -262,28 +263,34 @@ class use_sebp(SEBPContext):
     self._mask_sharding = sharding
 
   def skip_reason(self, module: nn.Module) -> str | None:
-    """Why this context leaves ``module`` (a bound ``nn.Dense`` or ``nn.Embed``, as its
-    interceptor sees it) as it is, or None when it gives it the SEBP backward."""
-    is_dense = isinstance(module, nn.Dense)
+    """Why this context leaves ``module`` (a bound ``nn.Dense``, ``nn.Embed`` or transformers'
+    ``FlaxConv1D``, as its interceptor sees it) as it is, or None when it gives it the SEBP
+    backward."""
+    is_conv1d = model_families.is_conv1d(module)
+    is_linear = is_conv1d or isinstance(module, nn.Dense)
     # Only modules that run nn.Dense's / nn.Embed's own __call__ are swapped: a subclass with
     # its own __call__ (SEBPDense, SEBPEmbed, or any other) would lose its code.
-    if type(module).__call__ is not (nn.Dense if is_dense else nn.Embed).__call__:
+    if not is_conv1d and type(module).__call__ is not (
+        nn.Dense if is_linear else nn.Embed).__call__:
       return "a subclass with its own __call__"
     path = module_path(module)
     if not module.path:
       # A module applied through .apply inside another one (a head tied to an embedding's
       # weights): nothing tells what it is or what its rows are.
       return "no path of its own (applied through .apply)"
-    reason = self.path_skip_reason(path, is_dense)
+    reason = self.path_skip_reason(path, is_linear)
     if reason:
       return reason
-    if is_dense and (module.dot_general is not None or module.dot_general_cls is not None):
+    if is_conv1d and not module.has_variable("params", "kernel"):
+      return "being initialized: its own call creates its parameters"
+    if not is_conv1d and is_linear and (module.dot_general is not None
+                                        or module.dot_general_cls is not None):
       return "custom dot_general (e.g. fp8/quantized)"
-    if not is_dense and module.num_embeddings == 1:
+    if not is_linear and module.num_embeddings == 1:
       return "one-row embedding (a broadcast, no lookup)"
     return unread_parameters_reason(
         module.variables.get("params", {}),
-        ("kernel", "bias") if is_dense else ("embedding",))
+        ("kernel", "bias") if is_linear else ("embedding",))
 
   def _intercept_packed(self, next_fun, args, kwargs, context) -> Any:
     """The packed path: a region runs on packed tokens, its attention per sequence, every
@@ -324,8 +331,9 @@ class use_sebp(SEBPContext):
     # NaN too (scatter_tokens), not only the region's. A model packing does not know (Bart,
     # T5) has no packed region. One that the user's exclude names, or a subclass with its own
     # __call__ (which may read positions), runs as it is: it may not read the region's
-    # outputs at all.
-    if (self._packed_family is not None and isinstance(module, nn.Dense) and module.path
+    # outputs at all. A head tied to the embeddings (GPT-2's) is a Dense applied through
+    # .apply, with no path: row by row all the same.
+    if (self._packed_family is not None and isinstance(module, nn.Dense)
         and type(module).__call__ is nn.Dense.__call__ and not self.excluded_by_user(path)):
       (inputs,) = args or (kwargs["inputs"],)
       if jnp.shape(inputs)[:-1] == self._layout.batch_shape:
@@ -360,12 +368,10 @@ class use_sebp(SEBPContext):
       if out is not _NOT_PACKED:
         return out
     module = context.module
-    is_dense = isinstance(module, nn.Dense)
+    is_conv1d = model_families.is_conv1d(module)
+    is_linear = is_conv1d or isinstance(module, nn.Dense)
     is_embed = isinstance(module, nn.Embed)
-    if context.method_name != "__call__" or not (is_dense or is_embed):
-      other = context.method_name == "__call__" and model_families.other_linear_layer(module)
-      if other:
-        self.report.skipped[module_path(module)] = other
+    if context.method_name != "__call__" or not (is_linear or is_embed):
       return next_fun(*args, **kwargs)
     if is_embed and not self.embeddings:
       if not isinstance(module, SEBPEmbed):
@@ -386,15 +392,13 @@ class use_sebp(SEBPContext):
       self.report.skipped[path] = rows
       return next_fun(*args, **kwargs)
     active_rows, top_n = rows
+    options = dict(top_n=top_n, threshold=self.threshold, overflow=self.overflow,
+                   active_rows=active_rows, row_log=self.row_log, **self.sharding_options)
     if is_embed:
       record(self.report.embeddings, path)
-      out = sebp_embed_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                            overflow=self.overflow, active_rows=active_rows,
-                            row_log=self.row_log, **self.sharding_options)
+      out = sebp_embed_call(module, inputs, **options)
     else:
       record(self.report.swapped, path)
-      out = sebp_dense_call(module, inputs, top_n=top_n, threshold=self.threshold,
-                            backend=self.backend, overflow=self.overflow,
-                            active_rows=active_rows, row_log=self.row_log,
-                            **self.sharding_options)
+      linear_call = sebp_conv1d_call if is_conv1d else sebp_dense_call
+      out = linear_call(module, inputs, backend=self.backend, **options)
     return self.shared_output(out, active_rows)

@@ -95,20 +95,35 @@ def _log_entry(row_log: RowLog | None, module: nn.Module):
   return row_log.for_layer(module_path(module))
 
 
-def sebp_dense_call(module: nn.Dense, inputs: Array, *, top_n: int | float | str,
-                    threshold: float, backend: str, overflow: str = "exact",
-                    active_rows: Array | None = None, row_log: RowLog | None = None,
-                    batch_axes=None, mesh=None) -> Array:
+def sebp_dense_call(module: nn.Dense, inputs: Array, **options) -> Array:
   """``nn.Dense.__call__`` of ``module`` with :func:`sebp_linear` in place of dot and bias add.
 
-  Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does. A
-  fraction ``top_n`` counts all rows: ``use_sebp`` resolves it per shard first.
+  Creates or reads the module's ``kernel`` and ``bias`` exactly as ``nn.Dense`` does;
+  ``options`` as :func:`_sebp_linear_of`'s.
   """
   kernel = module.param("kernel", module.kernel_init, (jnp.shape(inputs)[-1], module.features),
                         module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
   (inputs, kernel, bias), dtype = promotion_for_sebp(module, inputs, kernel, bias)
+  return _sebp_linear_of(module, inputs, kernel, bias, dtype, **options)
+
+
+def sebp_conv1d_call(module: nn.Module, inputs: Array, **options) -> Array:
+  """transformers' ``FlaxConv1D.__call__`` (GPT-2's linear layer, its kernel held as
+  ``[N, D]``) of ``module``, bound with its parameters, through :func:`sebp_linear`: the
+  input, kernel and bias cast to the module's dtype, as its own call does."""
+  kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
+  bias = nn.meta.unbox(module.get_variable("params", "bias")) if module.use_bias else None
+  return _sebp_linear_of(module, inputs, kernel.T, bias, module.dtype, **options)
+
+
+def _sebp_linear_of(module: nn.Module, inputs: Array, kernel: Array, bias: Array | None,
+                    dtype, *, top_n: int | float | str, threshold: float, backend: str,
+                    overflow: str = "exact", active_rows: Array | None = None,
+                    row_log: RowLog | None = None, batch_axes=None, mesh=None) -> Array:
+  """A linear layer's output through :func:`sebp_linear`, with the layer's precision and
+  row log. A fraction ``top_n`` counts all rows: ``use_sebp`` resolves it per shard first."""
   num_rows = math.prod(jnp.shape(inputs)[:-1])
   return sebp_linear(inputs, kernel, bias, top_n=resolve_top_n(top_n, num_rows),
                      threshold=threshold, overflow=overflow, precision=module.precision,

@@ -89,6 +89,25 @@ def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments:
   return (module.o_proj(out.reshape(*out.shape[:2], heads * head_dim)),)
 
 
+def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxGPT2Attention`` with ``attention_core``: its fused q/k/v projection, causal (the
+  positions are the embeddings', outside it), its output projection and residual dropout."""
+  config = module.config
+  if arguments.get("key_value_states") is not None or not module.causal:
+    _refuse("GPT-2", "cross-attention")
+  if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
+    _refuse("a decoder", "a decoding cache (init_cache)")
+  hidden = arguments["hidden_states"]
+  heads = config.num_attention_heads
+  split = lambda a: a.reshape(*a.shape[:2], heads, config.hidden_size // heads)
+  query, key, value = (split(part) for part in jnp.split(module.c_attn(hidden), 3, axis=2))
+  rng, rate = _dropout(module, arguments, config.attn_pdrop)
+  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  out = module.c_proj(out.reshape(*out.shape[:2], config.hidden_size))
+  return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedFamily:
   """One model family: which module runs packed, what it gathers, how its attention runs.
@@ -125,6 +144,8 @@ FAMILIES = (
                        for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
     PackedFamily("Llama/Mistral decoder", ("FlaxLlamaModule", "FlaxMistralModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
+    PackedFamily("GPT-2 decoder", ("FlaxGPT2Module",), "input_ids", ("FlaxGPT2Attention",),
+                 gpt2_attention),
 )
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
 
@@ -230,18 +251,10 @@ def input_layout(owner: Any) -> str | None:
   return None
 
 
-#: transformers' linear layers that are not ``nn.Dense`` (so not swapped), by class name:
-#: ``use_sebp`` lists them as left dense.
-OTHER_LINEAR_LAYERS = {"FlaxConv1D": "transformers' FlaxConv1D (GPT-2's linear layer), not an "
-                                     "nn.Dense"}
-
-
-def other_linear_layer(module: nn.Module) -> str | None:
-  """Why ``module``, a linear layer of transformers' that is not an ``nn.Dense``, stays
-  dense; None for any other module."""
-  if not _from_transformers(module):
-    return None
-  return OTHER_LINEAR_LAYERS.get(type(module).__name__)
+def is_conv1d(module: nn.Module) -> bool:
+  """Whether ``module`` is transformers' ``FlaxConv1D`` (GPT-2's linear layer: a Dense whose
+  kernel is held transposed, ``[N, D]``), its own class."""
+  return _from_transformers(module) and type(module).__name__ == "FlaxConv1D"
 
 
 def region_family(module: nn.Module) -> PackedFamily | None:

@@ -307,9 +307,11 @@ def test_layers_holding_parameters_they_do_not_read_stay_dense():
         "parameters its computation does not read (kernel_lora_a, kernel_lora_b)")
 
 
-def test_gpt2s_linear_layers_are_listed_as_left_dense():
-  """GPT-2's linear layers are transformers' FlaxConv1D, not nn.Dense: the embeddings alone
-  run SEBP, and the report says so of the others."""
+@pytest.mark.parametrize("shared_index, backend", [(True, "pallas"), (False, "xla")])
+def test_gpt2s_linear_layers_run_sebp(shared_index, backend):
+  """GPT-2's linear layers are transformers' FlaxConv1D (a Dense whose kernel is held
+  transposed), not nn.Dense: they run SEBP too, with the mask's index or rows of their own,
+  exact; its LM head, tied to the token embeddings through .apply, stays dense."""
   from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
   from sebp_jax.losses import masked_causal_lm_loss
@@ -319,17 +321,21 @@ def test_gpt2s_linear_layers_are_listed_as_left_dense():
   reports = []
 
   def loss(params, sebp):
-    with use_sebp(active_mask=mask, backend="xla") if sebp else nullcontext() as report:
+    context = use_sebp(active_mask=mask if shared_index else None, backend=backend)
+    with context if sebp else nullcontext() as report:
       reports.append(report)
       logits = gpt2(ids, attention_mask=mask, params=params).logits
     return masked_causal_lm_loss(logits, ids, mask)
 
-  assert_every_gradient_close(jax.grad(loss)(gpt2.params, True),
+  assert_every_gradient_close(jax.jit(jax.grad(loss), static_argnums=1)(gpt2.params, True),
                               jax.grad(loss)(gpt2.params, False))
   report = reports[0]
-  assert report.swapped == [] and report.embeddings == ["transformer/wte", "transformer/wpe"]
-  for layer in ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj"):
-    assert report.skipped[f"transformer/h/0/{layer}"].startswith("transformers' FlaxConv1D")
+  linear = [f"transformer/h/0/{layer}" for layer in ("attn/c_attn", "attn/c_proj", "mlp/c_fc",
+                                                     "mlp/c_proj")]
+  assert report.swapped == linear
+  assert report.embeddings == ["transformer/wte", "transformer/wpe"]
+  assert report.shared_index == (report.embeddings + linear if shared_index else [])
+  assert report.skipped == {"<root>": "no path of its own (applied through .apply)"}
 
 
 def test_bad_arguments():

@@ -1,4 +1,4 @@
-"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama and Mistral:
+"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama, Mistral and GPT-2:
 the loss and every parameter's gradient equal dense `jax.grad` of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
@@ -16,9 +16,10 @@ import numpy as np
 import optax
 import pytest
 from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                          FlaxBertForTokenClassification, FlaxBertModel, FlaxLlamaForCausalLM,
-                          FlaxMistralForCausalLM, FlaxRobertaForSequenceClassification,
-                          LlamaConfig, MistralConfig, RobertaConfig)
+                          FlaxBertForTokenClassification, FlaxBertModel, FlaxGPT2LMHeadModel,
+                          FlaxLlamaForCausalLM, FlaxMistralForCausalLM,
+                          FlaxRobertaForSequenceClassification, GPT2Config, LlamaConfig,
+                          MistralConfig, RobertaConfig)
 
 from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
@@ -545,6 +546,25 @@ def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
     batch = _decoder_batch(rng, layout, capacity)
     assert_matches_dense(packed(tiny_mistral.params, *batch), dense(tiny_mistral.params, *batch))
   assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
+
+
+@pytest.mark.parametrize("attention", ["mask", "rows"])
+def test_gpt2_packed_gradients_equal_dense(attention):
+  """GPT-2: learned positions, its fused q/k/v projection (transformers' FlaxConv1D), and its
+  LM head tied to the token embeddings (a Dense applied through .apply, with no path of its
+  own) run on the packed rows, the loss over masked_causal_lm_loss(capacity=C)."""
+  gpt2 = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2,
+                                        n_head=2), seed=5)
+  rng = np.random.default_rng(38)
+  capacity = BATCH * LENGTH - 6
+  reports = []
+  packed = packed_grad(lm_loss, gpt2, capacity, reports, loss_capacity=capacity,
+                       attention=attention)
+  dense = dense_grad(lm_loss, gpt2)
+  for layout in ("right", "left", "holes"):
+    batch = _decoder_batch(rng, layout, capacity)
+    assert_matches_dense(packed(gpt2.params, *batch), dense(gpt2.params, *batch))
+  assert reports[0].packed == ["transformer", "<root>"] and reports[0].capacity == capacity
 
 
 def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
