@@ -385,6 +385,7 @@ def gather_tokens(x: Array, layout: PackedLayout, *, filler: str = "zero",
   ``check_padding=False`` lets it through, unchecked."""
   if filler not in ("zero", "token"):
     raise ValueError(f"filler must be 'zero' or 'token', got {filler!r}")
+  x = jnp.asarray(x)  # A module applied on numpy ids gets them as they are.
   batch, length = layout.batch_shape
   if x.shape[:2] != (batch, length):
     raise ValueError(f"packing expected an array of the leading shape {(batch, length)} of "

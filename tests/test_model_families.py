@@ -567,6 +567,39 @@ def test_gpt2_packed_gradients_equal_dense(attention):
   assert reports[0].packed == ["transformer", "<root>"] and reports[0].capacity == capacity
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_module_applied_on_numpy_ids_packs_with_or_without_qwix_lora(lora):
+  """Llama's Linen module applied on numpy ids (no transformers wrapper to make them jax
+  arrays), and with qwix's LoRA on some of its layers: packing runs the layers' own code, the
+  adapters included, so the gradient is dense's, the adapters' too."""
+  from transformers.models.llama.modeling_flax_llama import FlaxLlamaForCausalLMModule
+  module = FlaxLlamaForCausalLMModule(_decoder_config(LlamaConfig))
+  if lora:
+    qwix = pytest.importorskip("qwix")
+    module = qwix.apply_lora_to_model(
+        module, qwix.LoraProvider(module_path=".*(q_proj|v_proj|down_proj)", rank=2, alpha=2.0))
+  rng = np.random.default_rng(39)
+  ids, mask, positions = _decoder_batch(rng, "holes")
+  params = module.init(jax.random.key(0), ids, mask, positions)
+  keys = iter(jax.random.split(jax.random.key(1), 64))
+  # Adapters that change the output (qwix starts B at zero).
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, p: 0.3 * jax.random.normal(next(keys), p.shape) if "lora" in str(path) else p,
+      params)
+  assert ("lora" in str(jax.tree_util.tree_structure(params))) == lora
+  capacity = token_capacity(mask)
+  reports = []
+
+  def loss(params, packed):
+    with _packing(capacity if packed else None, mask, reports):
+      logits = module.apply(params, ids, mask, positions).logits
+    return masked_causal_lm_loss(logits, ids, mask, capacity=capacity if packed else None)
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  assert_matches_dense(grad(params, True), grad(params, False))
+  assert reports[0].packed == ["model", "lm_head"]
+
+
 def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
   """masked_causal_lm_loss on a packed LM head's logits reads its [C, V] rows: the compiled
   step holds no [B, L, V] logits, and the value and gradient are those of the scattered
