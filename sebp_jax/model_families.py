@@ -68,14 +68,15 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
 
 
 def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
-  """``FlaxLlamaAttention`` / ``FlaxMistralAttention`` with ``attention_core``: rotary
-  embeddings at each token's own position ids, causal, Mistral's sliding window."""
+  """``FlaxLlamaAttention`` / ``FlaxMistralAttention`` / ``FlaxGemmaAttention`` with
+  ``attention_core``: rotary embeddings at each token's own position ids, causal, Mistral's
+  sliding window."""
   config = module.config
   if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
     _refuse("a decoder", "a decoding cache (init_cache)")
   hidden, positions = arguments["hidden_states"], arguments["position_ids"]
-  heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-  head_dim = config.hidden_size // heads
+  # The module's own sizes: Gemma's head_dim is the config's, Llama's hidden_size // heads.
+  heads, kv_heads, head_dim = module.num_heads, module.num_key_value_heads, module.head_dim
   query = module.q_proj(hidden).reshape(*hidden.shape[:2], heads, head_dim)
   key = module.k_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
   value = module.v_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
@@ -142,8 +143,10 @@ FAMILIES = (
                  bert_self_attention,
                  tuple(f"Flax{name}{head}" for name in _BERT_STYLE
                        for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
-    PackedFamily("Llama/Mistral decoder", ("FlaxLlamaModule", "FlaxMistralModule"), "input_ids",
-                 ("FlaxLlamaAttention", "FlaxMistralAttention"), llama_attention),
+    PackedFamily("Llama/Mistral/Gemma decoder",
+                 ("FlaxLlamaModule", "FlaxMistralModule", "FlaxGemmaModule"), "input_ids",
+                 ("FlaxLlamaAttention", "FlaxMistralAttention", "FlaxGemmaAttention"),
+                 llama_attention),
     PackedFamily("GPT-2 decoder", ("FlaxGPT2Module",), "input_ids", ("FlaxGPT2Attention",),
                  gpt2_attention),
 )

@@ -1,5 +1,6 @@
-"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama, Mistral and GPT-2:
-the loss and every parameter's gradient equal dense `jax.grad` of the unmodified model.
+"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama, Mistral, Gemma
+and GPT-2: the loss and every parameter's gradient equal dense `jax.grad` of the unmodified
+model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
 for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
@@ -16,10 +17,10 @@ import numpy as np
 import optax
 import pytest
 from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                          FlaxBertForTokenClassification, FlaxBertModel, FlaxGPT2LMHeadModel,
-                          FlaxLlamaForCausalLM, FlaxMistralForCausalLM,
-                          FlaxRobertaForSequenceClassification, GPT2Config, LlamaConfig,
-                          MistralConfig, RobertaConfig)
+                          FlaxBertForTokenClassification, FlaxBertModel, FlaxGemmaForCausalLM,
+                          FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxMistralForCausalLM,
+                          FlaxRobertaForSequenceClassification, GemmaConfig, GPT2Config,
+                          LlamaConfig, MistralConfig, RobertaConfig)
 
 from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
@@ -548,23 +549,36 @@ def test_mistral_sliding_window_gradients_equal_dense(tiny_mistral):
   assert reports[0].packed == ["model", "lm_head"] and reports[0].capacity == capacity
 
 
-@pytest.mark.parametrize("attention", ["mask", "rows"])
-def test_gpt2_packed_gradients_equal_dense(attention):
-  """GPT-2: learned positions, its fused q/k/v projection (transformers' FlaxConv1D), and its
-  LM head tied to the token embeddings (a Dense applied through .apply, with no path of its
-  own) run on the packed rows, the loss over masked_causal_lm_loss(capacity=C)."""
-  gpt2 = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2,
-                                        n_head=2), seed=5)
+def _tied_decoder(name):
+  if name == "GPT-2":
+    return FlaxGPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16,
+                                          n_layer=2, n_head=2), seed=5)
+  # A head size of Gemma's own, not hidden_size // heads.
+  config = GemmaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, max_position_embeddings=64,
+                       hidden_activation="gelu_pytorch_tanh")
+  return FlaxGemmaForCausalLM(config, seed=6)
+
+
+@pytest.mark.parametrize("name, attention", [("GPT-2", "mask"), ("GPT-2", "rows"),
+                                             ("Gemma", "rows")])
+def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
+  """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D) and
+  Gemma (grouped-query, a head size of its own): their LM heads, tied to the token
+  embeddings (a Dense applied through .apply, with no path of its own), run on the packed
+  rows too, the loss over masked_causal_lm_loss(capacity=C)."""
+  model = _tied_decoder(name)
   rng = np.random.default_rng(38)
   capacity = BATCH * LENGTH - 6
   reports = []
-  packed = packed_grad(lm_loss, gpt2, capacity, reports, loss_capacity=capacity,
+  packed = packed_grad(lm_loss, model, capacity, reports, loss_capacity=capacity,
                        attention=attention)
-  dense = dense_grad(lm_loss, gpt2)
+  dense = dense_grad(lm_loss, model)
   for layout in ("right", "left", "holes"):
     batch = _decoder_batch(rng, layout, capacity)
-    assert_matches_dense(packed(gpt2.params, *batch), dense(gpt2.params, *batch))
-  assert reports[0].packed == ["transformer", "<root>"] and reports[0].capacity == capacity
+    assert_matches_dense(packed(model.params, *batch), dense(model.params, *batch))
+  assert reports[0].packed[1] == "<root>" and reports[0].capacity == capacity
 
 
 @pytest.mark.parametrize("lora", [False, True])
