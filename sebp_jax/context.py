@@ -425,9 +425,10 @@ class SEBPContext:
     mask_shape = None if self.active_mask is None else tuple(jnp.shape(self.active_mask))
     if self._shared_rows is not None and layout == ENCODER_DECODER:
       raise ValueError(
-          f"use_sebp(active_mask=...) on an encoder-decoder model (layer {path}): its encoder "
-          "and decoder see different tokens, and where their lengths are equal no shape tells "
-          "which a layer's rows are, so one mask would give the decoder the encoder's index. "
+          f"use_sebp(active_mask=...) on an encoder-decoder model, or one with cross-attention "
+          f"(layer {path}): its encoder and decoder see different tokens, and where their "
+          "lengths are equal no shape tells which a layer's rows are, so one mask would give "
+          "the decoder the encoder's index. "
           "Leave active_mask out: every layer then selects its own rows from dY, exactly.")
     if self._shared_rows is None or math.prod(row_shape) == math.prod(mask_shape):
       # Same tokens; the shared index when in the same layout on the same shards.

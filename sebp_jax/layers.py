@@ -111,10 +111,13 @@ def sebp_dense_call(module: nn.Dense, inputs: Array, **options) -> Array:
 
 def sebp_conv1d_call(module: nn.Module, inputs: Array, **options) -> Array:
   """transformers' ``FlaxConv1D.__call__`` (GPT-2's linear layer, its kernel held as
-  ``[N, D]``) of ``module``, bound with its parameters, through :func:`sebp_linear`: the
+  ``[N, D]``) of ``module``, its parameters created already, through :func:`sebp_linear`: the
   input, kernel and bias cast to the module's dtype, as its own call does."""
-  kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
-  bias = nn.meta.unbox(module.get_variable("params", "bias")) if module.use_bias else None
+  # Read as the layer reads them, so that a missing or misshapen one raises as there; the
+  # initializer only gives the expected shape (a layer being initialized runs its own call).
+  shape = lambda *dims: lambda key: jnp.zeros(dims)
+  kernel = module.param("kernel", shape(module.features, jnp.shape(inputs)[-1]))
+  bias = module.param("bias", shape(module.features)) if module.use_bias else None
   return _sebp_linear_of(module, inputs, kernel.T, bias, module.dtype, **options)
 
 

@@ -232,15 +232,18 @@ def input_layout(owner: Any) -> str | None:
   rows (:data:`BATCH_MAJOR`, :data:`ENCODER_DECODER`), or
   None where it is not known. transformers' Flax models feed every layer ``[B, L, ...]``
   rows, but an encoder-decoder's two stacks see different tokens: a layer is the
-  encoder-decoder's where its owner's config says so, or where a module around it has a
+  encoder-decoder's where its owner's config says so (or adds cross-attention), or where a
+  module around it has a
   ``decoder`` and a config that says so (T5 hands its stacks configs that do not; its
   encoder-only model keeps an encoder-decoder's config, with no decoder); Tunix's NNX models
   are batch-major (``"BTD,DNH->BTNH"``)."""
   module = type(owner).__module__
   if module.startswith("transformers.models."):
     config = getattr(owner, "config", None)
-    if getattr(config, "is_encoder_decoder", False) or (
-        getattr(config, "is_decoder", False) and getattr(config, "add_cross_attention", False)):
+    # Flax BERT and GPT-2 build cross-attention from add_cross_attention alone, is_decoder
+    # or not: its key and value projections run on the encoder's tokens.
+    if (getattr(config, "is_encoder_decoder", False)
+        or getattr(config, "add_cross_attention", False)):
       return ENCODER_DECODER
     around = getattr(owner, "parent", None)
     while isinstance(around, nn.Module):

@@ -338,6 +338,25 @@ def test_gpt2s_linear_layers_run_sebp(shared_index, backend):
   assert report.skipped == {"<root>": "no path of its own (applied through .apply)"}
 
 
+def test_gpt2s_swapped_linear_layers_check_their_parameters_as_their_own_call():
+  """A missing bias or a kernel of another shape raises as the layer's own call does, never a
+  forward without them."""
+  from flax.errors import ScopeParamNotFoundError, ScopeParamShapeError
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  gpt2 = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=16, n_layer=1,
+                                        n_head=2), seed=0)
+  ids, mask = _padded_batch(np.random.default_rng(41), 3, 8, 60)
+  layer = gpt2.params["transformer"]["h"]["0"]["mlp"]["c_fc"]
+  without_bias = {"kernel": layer["kernel"]}
+  narrow = {**layer, "kernel": layer["kernel"][:48]}
+  for params, error in ((without_bias, ScopeParamNotFoundError), (narrow, ScopeParamShapeError)):
+    broken = jax.tree.map(lambda a: a, gpt2.params)
+    broken["transformer"]["h"]["0"]["mlp"]["c_fc"] = params
+    for context in (nullcontext(), use_sebp(active_mask=mask, backend="xla")):
+      with pytest.raises(error), context:
+        gpt2(ids, attention_mask=mask, params=broken)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="top_n"):
     use_sebp(top_n=0)
@@ -813,6 +832,34 @@ def test_an_encoder_decoder_model_refuses_one_mask_and_is_exact_without():
   grad = jax.jit(jax.grad(loss), static_argnums=1)
   assert_every_gradient_close(grad(bart.params, (("lm_head", True), ("backend", "xla"))),
                               grad(bart.params, None))
+
+
+@pytest.mark.parametrize("name", ["GPT-2", "BERT"])
+def test_a_model_with_cross_attention_refuses_one_mask(name):
+  """transformers' Flax GPT-2 and BERT build cross-attention from add_cross_attention alone,
+  is_decoder or not: its key and value projections run on the encoder's rows, of the
+  decoder's shape here, so one mask would give them the decoder's index."""
+  from transformers import FlaxBertModel, FlaxGPT2LMHeadModel, GPT2Config
+  if name == "GPT-2":
+    model = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=16,
+                                           n_layer=1, n_head=2, add_cross_attention=True))
+  else:
+    model = FlaxBertModel(BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     add_cross_attention=True))
+  assert not model.config.is_decoder
+  rng = np.random.default_rng(40)
+  ids, mask = _padded_batch(rng, 3, 8, 60)
+  encoded = jnp.asarray(rng.standard_normal((3, 8, 16)), jnp.float32)
+
+  def loss(params):
+    with use_sebp(active_mask=mask, backend="xla"):
+      out = model(ids, attention_mask=mask, encoder_hidden_states=encoded,
+                  encoder_attention_mask=np.ones((3, 8), np.int32), params=params)
+    return jnp.sum(out[0] ** 2)
+
+  with pytest.raises(ValueError, match="one with cross-attention.*Leave active_mask out"):
+    jax.eval_shape(jax.grad(loss), model.params)
 
 
 def test_every_layer_of_an_encoder_decoder_is_known_as_one():
