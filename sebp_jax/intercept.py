@@ -314,15 +314,20 @@ class use_sebp(SEBPContext):
       self.layers_seen += 1
       self._region_family = self._packed_family = family
       try:
-        return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
+        outputs = model_families.run_region(family, module, next_fun, args, kwargs,
+                                            self._layout)
       finally:
         self._region_family = None
+      reader = model_families.first_token_model(family, module)
+      if reader is None:
+        return outputs
+      return model_families.map_first_output(
+          outputs, lambda hidden: self._checked_first_tokens(hidden, reader))
     if (self._packed_family is not None
         and model_families.reads_first_tokens(self._packed_family, module)):
       bound = model_families.bind_arguments(module, args, kwargs)
-      host_mask = None if isinstance(self.active_mask, jax.core.Tracer) else self.active_mask
-      bound.arguments["hidden_states"] = checked_first_tokens(
-          bound.arguments["hidden_states"], self._layout, host_mask, type(module).__name__)
+      bound.arguments["hidden_states"] = self._checked_first_tokens(
+          bound.arguments["hidden_states"], type(module).__name__)
       return model_families.call_bound(next_fun, bound)
     path = module_path(module)
     # A Dense on every token after a packed region (an LM head; token classification's
@@ -349,6 +354,10 @@ class use_sebp(SEBPContext):
         return remember_packed(scatter_tokens(packed, self._layout), packed, self._layout,
                                head)
     return _NOT_PACKED
+
+  def _checked_first_tokens(self, hidden: jax.Array, reader: str) -> jax.Array:
+    host_mask = None if isinstance(self.active_mask, jax.core.Tracer) else self.active_mask
+    return checked_first_tokens(hidden, self._layout, host_mask, reader)
 
   def _packed_lookup(self, module: nn.Embed, args, kwargs) -> jax.Array:
     """A region's lookup of the packed tokens, split over devices: every slot kept, so that

@@ -67,6 +67,24 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
   return (out.reshape(*out.shape[:2], config.hidden_size),)
 
 
+def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
+                         arguments: dict) -> tuple:
+  """DistilBERT's ``FlaxMultiHeadSelfAttention`` with ``attention_core``: self-attention
+  only (its query, key and value the same hidden states)."""
+  config = module.config
+  hidden = arguments["query"]
+  if arguments["key"] is not hidden or arguments["value"] is not hidden:
+    _refuse("DistilBERT", "attention whose keys or values are not its queries' tokens")
+  heads = config.n_heads
+  split = lambda a: a.reshape(*a.shape[:2], heads, config.dim // heads)
+  query, key, value = (split(projection(hidden))
+                       for projection in (module.q_lin, module.k_lin, module.v_lin))
+  rng, rate = _dropout(module, arguments, config.attention_dropout)
+  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  return (module.out_lin(out.reshape(*out.shape[:2], config.dim)),)
+
+
 def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
   """``FlaxLlamaAttention`` / ``FlaxMistralAttention`` / ``FlaxGemmaAttention`` with
   ``attention_core``: rotary embeddings at each token's own position ids, causal, Mistral's
@@ -124,6 +142,9 @@ class PackedFamily:
       module's call: its own projections (and rotary embeddings) around ``attention_core``.
     first_token_heads: class names of the heads that read the region's outputs at each row's
       first column (BERT's [CLS]), their argument ``hidden_states``.
+    first_token_models: class names of the models whose own code reads the region's first
+      output at each row's first column (DistilBERT's classifiers): where one is around the
+      region, that output is checked as a first-token head's input.
   """
   name: str
   regions: tuple[str, ...]
@@ -131,6 +152,7 @@ class PackedFamily:
   attention_classes: tuple[str, ...]
   attend: Callable[[nn.Module, AttentionCore, dict], Any]
   first_token_heads: tuple[str, ...] = ()
+  first_token_models: tuple[str, ...] = ()
 
 
 _BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
@@ -143,6 +165,10 @@ FAMILIES = (
                  bert_self_attention,
                  tuple(f"Flax{name}{head}" for name in _BERT_STYLE
                        for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
+    PackedFamily("DistilBERT encoder", ("FlaxTransformer",), "hidden_states",
+                 ("FlaxMultiHeadSelfAttention",), distilbert_attention,
+                 first_token_models=("FlaxDistilBertForSequenceClassificationModule",
+                                     "FlaxDistilBertForMultipleChoiceModule")),
     PackedFamily("Llama/Mistral/Gemma decoder",
                  ("FlaxLlamaModule", "FlaxMistralModule", "FlaxGemmaModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention", "FlaxGemmaAttention"),
@@ -274,6 +300,26 @@ def region_family(module: nn.Module) -> PackedFamily | None:
 def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
   """Whether ``module`` is a head of ``family`` that reads each row's first column."""
   return _from_transformers(module) and type(module).__name__ in family.first_token_heads
+
+
+def first_token_model(family: PackedFamily, region: nn.Module) -> str | None:
+  """The class name of the module around ``region`` whose own code reads the region's first
+  output at each row's first column, or None."""
+  around = region.parent
+  while isinstance(around, nn.Module):
+    if _from_transformers(around) and type(around).__name__ in family.first_token_models:
+      return type(around).__name__
+    around = around.parent
+  return None
+
+
+def map_first_output(outputs: Any, fn: Callable[[Any], Any]) -> Any:
+  """A region's outputs (a tuple, or transformers' ``ModelOutput``) with ``fn`` applied to
+  the first (the last hidden states)."""
+  if isinstance(outputs, (tuple, list)):
+    return type(outputs)([fn(outputs[0]), *outputs[1:]])
+  first = next(iter(outputs.keys()))
+  return type(outputs)(**{**dict(outputs.items()), first: fn(outputs[first])})
 
 
 def attention_family(module: nn.Module) -> PackedFamily | None:

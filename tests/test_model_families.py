@@ -486,6 +486,47 @@ def test_transformers_copies_of_bert_pack(family):
         p, ids[:, ::-1], mask[:, ::-1].copy(), labels, head_mask), model.params)
 
 
+def test_distilbert_packs_and_its_classifier_refuses_padding_in_the_first_column():
+  """DistilBERT's encoder packs, its gradients the dense ones; its classifier reads each row's
+  first column in its own code (no head module): with left padding a concrete mask raises and
+  a traced one makes the loss and every gradient NaN."""
+  from transformers import DistilBertConfig, FlaxDistilBertForSequenceClassification
+  model = FlaxDistilBertForSequenceClassification(
+      DistilBertConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32,
+                       max_position_embeddings=32), seed=7)
+  rng = np.random.default_rng(42)
+  capacity = BATCH * LENGTH - 4
+  reports = []
+
+  def loss(params, ids, mask, labels):
+    with _packing(capacity, mask, reports):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  dense = jax.jit(jax.value_and_grad(lambda p, ids, mask, labels: (
+      optax.softmax_cross_entropy_with_integer_labels(
+          model(ids, attention_mask=mask, params=p).logits, labels).mean())))
+  packed = jax.jit(jax.value_and_grad(loss))
+  for layout in ("right", "holes"):
+    mask = _mask(rng, layout, max_tokens=capacity)
+    batch = (_ids(rng, mask), mask, rng.integers(0, 2, size=BATCH))
+    assert_matches_dense(packed(model.params, *batch), dense(model.params, *batch))
+  assert reports[0].packed == ["distilbert/transformer/layer"]
+  left = _mask(rng, "right", max_tokens=capacity)[:, ::-1].copy()
+  left[0] = 1  # one full row: the others start with padding
+  left[1:, -1] = 1
+  batch = (_ids(rng, left), left, rng.integers(0, 2, size=BATCH))
+  with pytest.raises(ValueError, match="FlaxDistilBertForSequenceClassificationModule reads "
+                                       r"the first column .* row\(s\) \[1, 2\]"):
+    jax.eval_shape(lambda p: loss(p, *batch), model.params)
+  value, grad = packed(model.params, *batch)
+  # Every weight of the model's NaN; the pre-classifier's bias, behind a ReLU whose gradient
+  # at NaN is 0, may stay finite.
+  assert np.isnan(float(value))
+  assert all(np.isnan(leaf).any() for leaf in jax.tree.leaves(
+      (grad["distilbert"], grad["classifier"], grad["pre_classifier"]["kernel"])))
+
+
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
   """``(ids, mask, positions)``. Right padding and holes: the default positions; left
   padding: each token's position in its sequence."""
