@@ -1,5 +1,5 @@
-"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, Llama and GPT-2
-(Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
+"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, DistilBERT, Llama
+and GPT-2 (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
 of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one
@@ -144,6 +144,8 @@ class Setup:
   length: int
   lengths_file: str
   has_lm_head: bool
+  #: A sequence classifier (its loss over the rows' labels), not a causal LM.
+  classifier: bool = False
   nnx: bool = False
   #: The NNX model's weights: float32 (cast to bfloat16 in the loss) or bfloat16.
   param_dtype: Any = jnp.float32
@@ -151,7 +153,9 @@ class Setup:
 
 SETUPS = {
     "bert": Setup("bert-base (BertConfig(), classification head)", 32, 512,
-                  "sst2_dev_bert_wordpiece.json", has_lm_head=False),
+                  "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
+    "distilbert": Setup("distilbert-base (DistilBertConfig(), classification head)", 32, 512,
+                        "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
     "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
                    has_lm_head=True),
     # Long context: WikiText-2 sections (mean about 500 tokens, a tail past 2,000), about
@@ -218,10 +222,15 @@ def build_nnx_llama(tiny: bool, param_dtype) -> NNXModel:
 
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
-  from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                            FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, GPT2Config, LlamaConfig)
+  from transformers import (BertConfig, DistilBertConfig, FlaxBertForSequenceClassification,
+                            FlaxDistilBertForSequenceClassification, FlaxGPT2LMHeadModel,
+                            FlaxLlamaForCausalLM, GPT2Config, LlamaConfig)
   if SETUPS[kind].nnx:
     return build_nnx_llama(tiny, SETUPS[kind].param_dtype)
+  if kind == "distilbert":
+    config = (DistilBertConfig(num_labels=2, dim=64, n_layers=2, n_heads=2, hidden_dim=128)
+              if tiny else DistilBertConfig(num_labels=2))
+    return FlaxDistilBertForSequenceClassification(config, seed=0, dtype=dtype)
   if kind == "gpt2":
     config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
               if tiny else GPT2Config())
@@ -267,7 +276,7 @@ def _random_batch(kind: str, model, setup: Setup, seed: int, lengths=None):
   mask = (np.arange(setup.length)[None] < lengths[:, None]).astype(np.int32)
   ids = rng.integers(5, model.config.vocab_size, size=mask.shape).astype(np.int32) * mask
   batch = {"input_ids": ids, "attention_mask": mask}
-  if kind == "bert":
+  if setup.classifier:
     batch["labels"] = rng.integers(0, 2, size=setup.batch_size).astype(np.int32)
   return batch
 
@@ -421,7 +430,7 @@ def make_loss(kind: str, model, mode: str, top_n: int, backend: str,
     with context(batch):
       logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                      params=params).logits
-    if kind == "bert":
+    if SETUPS[kind].classifier:
       return optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), batch["labels"]).mean()
     return masked_causal_lm_loss(
@@ -511,7 +520,7 @@ def packed_slots(mask: np.ndarray, packed_capacity: int | None, num_shards: int)
 def loss_weight(kind: str):
   """What ``kind``'s loss averages over on a batch: its sentences (BERT), its predicted
   tokens (the causal LMs)."""
-  if kind == "bert":
+  if SETUPS[kind].classifier:
     return None
   return lambda batch: causal_lm_target_count(batch["attention_mask"])
 
