@@ -97,7 +97,7 @@ class use_sebp(SEBPContext):
       when the loss is masked on padding (:func:`sebp_jax.losses.masked_causal_lm_loss`), and
       the head is a large layer (vocabulary x hidden size). A head that a model applies
       through ``.apply`` with the embedding's weights (tied GPT-2, a tied BERT/RoBERTa MLM
-      decoder) is a module of its own with no path (``"<root>"`` in the report) and is not
+      decoder) is a module of its own with no path (its name in the report) and is not
       covered; Flax Llama has its own ``lm_head`` even when the checkpoint ties it.
     active_mask: optional token mask (e.g. ``attention_mask: [B, L]``). Given, one static-size
       index of the real tokens is computed once and every layer whose input has the mask's

@@ -82,9 +82,10 @@ def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool =
 
 
 def module_path(module: nn.Module) -> str:
-  """A bound module's path joined with ``/``; ``"<root>"`` for a top-level module (also a
-  module applied on its own through ``.apply`` inside another one)."""
-  return "/".join(module.path) or "<root>"
+  """A bound module's path joined with ``/``. A module with none, applied on its own through
+  ``.apply`` inside another one (a head tied to the embeddings), goes by its name
+  (``"lm_head"``); a top-level one without a name is ``"<root>"``."""
+  return "/".join(module.path) or module.name or "<root>"
 
 
 def _log_entry(row_log: RowLog | None, module: nn.Module):

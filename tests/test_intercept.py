@@ -79,11 +79,11 @@ def test_lm_heads_of_bert_and_tied_heads():
     jax.eval_shape(lambda: model(ids, attention_mask=mask))
   assert report.skipped[head] == "matched by exclude"
   # The decoder is tied to the word embedding and applied through .apply: a module of its own,
-  # with no path in the model, which no pattern can select.
-  assert report.skipped["<root>"] == "no path of its own (applied through .apply)"
+  # with no path in the model (its name in the report), which no pattern can select.
+  assert report.skipped["decoder"] == "no path of its own (applied through .apply)"
   with use_sebp(top_n=4, lm_head=True) as report:
     jax.eval_shape(lambda: model(ids, attention_mask=mask))
-  assert head in report.swapped and "<root>" in report.skipped
+  assert head in report.swapped and "decoder" in report.skipped
 
 
 def test_default_selection_and_report(tiny_bert, tiny_llama):
@@ -335,7 +335,7 @@ def test_gpt2s_linear_layers_run_sebp(shared_index, backend):
   assert report.swapped == linear
   assert report.embeddings == ["transformer/wte", "transformer/wpe"]
   assert report.shared_index == (report.embeddings + linear if shared_index else [])
-  assert report.skipped == {"<root>": "no path of its own (applied through .apply)"}
+  assert report.skipped == {"lm_head": "no path of its own (applied through .apply)"}
 
 
 def test_gpt2s_swapped_linear_layers_check_their_parameters_as_their_own_call():

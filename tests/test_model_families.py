@@ -607,8 +607,9 @@ def _tied_decoder(name):
 def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D) and
   Gemma (grouped-query, a head size of its own): their LM heads, tied to the token
-  embeddings (a Dense applied through .apply, with no path of its own), run on the packed
-  rows too, the loss over masked_causal_lm_loss(capacity=C)."""
+  embeddings (a Dense applied through .apply, with no path of its own: its name, lm_head, in
+  the report and for exclude), run on the packed rows too, the loss over
+  masked_causal_lm_loss(capacity=C)."""
   model = _tied_decoder(name)
   rng = np.random.default_rng(38)
   capacity = BATCH * LENGTH - 6
@@ -619,7 +620,11 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   for layout in ("right", "left", "holes"):
     batch = _decoder_batch(rng, layout, capacity)
     assert_matches_dense(packed(model.params, *batch), dense(model.params, *batch))
-  assert reports[0].packed[1] == "<root>" and reports[0].capacity == capacity
+  assert reports[0].packed[1] == "lm_head" and reports[0].capacity == capacity
+  ids, mask, _ = batch
+  with use_sebp(top_n=capacity, active_mask=mask, packed=True, exclude="lm_head") as report:
+    jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), model.params)
+  assert len(report.packed) == 1
 
 
 @pytest.mark.parametrize("lora", [False, True])
