@@ -340,7 +340,8 @@ def length_aware_attention(lengths):
   """Every attention module of a supported transformers family computes its attention with
   ``jax.nn.dot_product_attention`` given each sequence's length (right padding), fused
   where :func:`~sebp_jax.packing.fused_attention_implementation` says it runs."""
-  def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate):
+  def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate,
+                     broadcast_dropout=True):
     if window is not None or dropout_rate:
       raise NotImplementedError("no sliding window or dropout in this baseline")
     return jax.nn.dot_product_attention(

@@ -193,6 +193,8 @@ class use_sebp(SEBPContext):
     # The family whose region is running, and the one whose region ran in this context.
     self._region_family: model_families.PackedFamily | None = None
     self._packed_family: model_families.PackedFamily | None = None
+    # The model running whose own code reads a region's outputs at each row's first column.
+    self._first_token_reader: str | None = None
 
   def jit_key(self) -> tuple:
     return (*super().jit_key(), self.packed, self.attention)
@@ -308,6 +310,13 @@ class use_sebp(SEBPContext):
           and isinstance(module, nn.Embed) and self.skip_reason(module) is None):
         return self._packed_lookup(module, args, kwargs)
       return next_fun(*args, **kwargs)
+    reader = model_families.first_token_model(module)
+    if reader is not None:
+      outer, self._first_token_reader = self._first_token_reader, reader
+      try:
+        return next_fun(*args, **kwargs)
+      finally:
+        self._first_token_reader = outer
     family = model_families.region_family(module)
     if family is not None:
       record(self.report.packed, module_path(module))
@@ -318,11 +327,10 @@ class use_sebp(SEBPContext):
                                             self._layout)
       finally:
         self._region_family = None
-      reader = model_families.first_token_model(family, module)
-      if reader is None:
+      if self._first_token_reader is None:
         return outputs
       return model_families.map_first_output(
-          outputs, lambda hidden: self._checked_first_tokens(hidden, reader))
+          outputs, lambda hidden: self._checked_first_tokens(hidden, self._first_token_reader))
     if (self._packed_family is not None
         and model_families.reads_first_tokens(self._packed_family, module)):
       bound = model_families.bind_arguments(module, args, kwargs)

@@ -38,8 +38,8 @@ def _dropout(module: nn.Module, arguments: dict, rate: float):
 
 
 #: ``(query [.., T, H, d], key, value [.., T, K, d], *, causal, window, dropout_rng,
-#: dropout_rate) -> [.., T, H, d]``: the attention of one layout of tokens, e.g.
-#: :func:`sebp_jax.packing.packed_attention` with its layout bound.
+#: dropout_rate[, broadcast_dropout]) -> [.., T, H, d]``: the attention of one layout of
+#: tokens, e.g. :func:`sebp_jax.packing.packed_attention` with its layout bound.
 AttentionCore = Callable[..., Any]
 
 
@@ -80,8 +80,9 @@ def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
   query, key, value = (split(projection(hidden))
                        for projection in (module.q_lin, module.k_lin, module.v_lin))
   rng, rate = _dropout(module, arguments, config.attention_dropout)
+  # nn.Dropout on the probabilities: a mask of its own for every head.
   out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+                       dropout_rate=rate, broadcast_dropout=False)
   return (module.out_lin(out.reshape(*out.shape[:2], config.dim)),)
 
 
@@ -143,8 +144,8 @@ class PackedFamily:
     first_token_heads: class names of the heads that read the region's outputs at each row's
       first column (BERT's [CLS]), their argument ``hidden_states``.
     first_token_models: class names of the models whose own code reads the region's first
-      output at each row's first column (DistilBERT's classifiers): where one is around the
-      region, that output is checked as a first-token head's input.
+      output at each row's first column (DistilBERT's classifiers): where one's call runs
+      the region, that output is checked as a first-token head's input.
   """
   name: str
   regions: tuple[str, ...]
@@ -258,22 +259,23 @@ def input_layout(owner: Any) -> str | None:
   rows (:data:`BATCH_MAJOR`, :data:`ENCODER_DECODER`), or
   None where it is not known. transformers' Flax models feed every layer ``[B, L, ...]``
   rows, but an encoder-decoder's two stacks see different tokens: a layer is the
-  encoder-decoder's where its owner's config says so (or adds cross-attention), or where a
-  module around it has a
+  encoder-decoder's where its owner's config says so, where it is part of a cross-attention
+  (a module named ``crossattention``), or where a module around it has a
   ``decoder`` and a config that says so (T5 hands its stacks configs that do not; its
   encoder-only model keeps an encoder-decoder's config, with no decoder); Tunix's NNX models
   are batch-major (``"BTD,DNH->BTNH"``)."""
   module = type(owner).__module__
   if module.startswith("transformers.models."):
     config = getattr(owner, "config", None)
-    # Flax BERT and GPT-2 build cross-attention from add_cross_attention alone, is_decoder
-    # or not: its key and value projections run on the encoder's tokens.
-    if (getattr(config, "is_encoder_decoder", False)
-        or getattr(config, "add_cross_attention", False)):
+    if getattr(config, "is_encoder_decoder", False) or (
+        getattr(config, "is_decoder", False) and getattr(config, "add_cross_attention", False)):
       return ENCODER_DECODER
-    around = getattr(owner, "parent", None)
+    around = owner
     while isinstance(around, nn.Module):
-      if (getattr(getattr(around, "config", None), "is_encoder_decoder", False)
+      # A cross-attention's key and value projections run on the encoder's tokens: Flax BERT
+      # and GPT-2 build one from add_cross_attention alone, is_decoder or not.
+      if around.name == "crossattention" or (
+          getattr(getattr(around, "config", None), "is_encoder_decoder", False)
           and hasattr(around, "decoder")):
         return ENCODER_DECODER
       around = around.parent
@@ -302,14 +304,12 @@ def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
   return _from_transformers(module) and type(module).__name__ in family.first_token_heads
 
 
-def first_token_model(family: PackedFamily, region: nn.Module) -> str | None:
-  """The class name of the module around ``region`` whose own code reads the region's first
-  output at each row's first column, or None."""
-  around = region.parent
-  while isinstance(around, nn.Module):
-    if _from_transformers(around) and type(around).__name__ in family.first_token_models:
-      return type(around).__name__
-    around = around.parent
+def first_token_model(module: nn.Module) -> str | None:
+  """The class name of ``module`` where its own code reads a packed region's first output at
+  each row's first column (a family's ``first_token_models``), else None."""
+  name = type(module).__name__
+  if _from_transformers(module) and any(name in f.first_token_models for f in FAMILIES):
+    return name
   return None
 
 

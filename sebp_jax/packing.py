@@ -498,10 +498,11 @@ def scatter_tokens(packed: Array, layout: PackedLayout, *, check_padding: bool =
   values = packed[0]
   fill = 0
   if jnp.issubdtype(values.dtype, jnp.inexact):
-    # Every position NaN, the real tokens that did not fit included. Added, not selected, so
-    # that the gradients behind it are NaN too rather than zero.
+    # Every position NaN, the real tokens that did not fit included. A factor, not a
+    # selection or a term, so that the gradients behind it are NaN too, also behind a ReLU
+    # (whose gradient at NaN is 0), rather than zero; times 1 where the layout is valid.
     fill = jnp.where(layout.invalid, jnp.nan, 0).astype(values.dtype)
-    values = values + fill
+    values = values * (1 + fill)
   out = jnp.full((batch * length, *values.shape[1:]), fill, values.dtype)
   out = out.at[layout.token_rows].set(values, mode="drop", indices_are_sorted=True,
                                       unique_indices=True)
@@ -786,7 +787,8 @@ def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, 
 def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
                      causal: bool, window: int | None = None,
                      dropout_rng: Array | None = None, dropout_rate: float = 0.0,
-                     implementation: str | None = None, method: str = "auto") -> Array:
+                     broadcast_dropout: bool = True, implementation: str | None = None,
+                     method: str = "auto") -> Array:
   """Per-sequence attention of packed tokens.
 
   Args:
@@ -796,8 +798,10 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
     causal: decoder attention (by column within each row).
     window: sliding window, in columns (Mistral), or None.
     dropout_rng, dropout_rate: dropout on the attention probabilities, as flax's
-      ``dot_product_attention_weights`` applies it (with ``broadcast_dropout``); its random
-      mask falls on other positions than in the padded batch.
+      ``dot_product_attention_weights`` applies it; its random mask falls on other positions
+      than in the padded batch.
+    broadcast_dropout: one dropout mask for every head (flax's default, BERT's), or one per
+      head (DistilBERT's ``nn.Dropout`` on the probabilities).
     implementation: ``"xla"``, ``"cudnn"``, or None for
       :func:`fused_attention_implementation`.
     method: one of :data:`ATTENTION_METHODS`: :func:`row_attention` (``"rows"``), or over the
@@ -832,7 +836,7 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
     bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
     weights = nn.dot_product_attention_weights(
         query, key, bias=bias, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
-        broadcast_dropout=True, deterministic=False, dtype=jnp.float32)
+        broadcast_dropout=broadcast_dropout, deterministic=False, dtype=jnp.float32)
     return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
   implementation = implementation or fused_attention_implementation(query)
   return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=causal,

@@ -838,7 +838,8 @@ def test_an_encoder_decoder_model_refuses_one_mask_and_is_exact_without():
 def test_a_model_with_cross_attention_refuses_one_mask(name):
   """transformers' Flax GPT-2 and BERT build cross-attention from add_cross_attention alone,
   is_decoder or not: its key and value projections run on the encoder's rows, of the
-  decoder's shape here, so one mask would give them the decoder's index."""
+  decoder's shape here, so one mask would give them the decoder's index. Called without
+  encoder states, the cross-attention does not run, and the mask serves the rest exactly."""
   from transformers import FlaxBertModel, FlaxGPT2LMHeadModel, GPT2Config
   if name == "GPT-2":
     model = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=16,
@@ -852,14 +853,17 @@ def test_a_model_with_cross_attention_refuses_one_mask(name):
   ids, mask = _padded_batch(rng, 3, 8, 60)
   encoded = jnp.asarray(rng.standard_normal((3, 8, 16)), jnp.float32)
 
-  def loss(params):
-    with use_sebp(active_mask=mask, backend="xla"):
-      out = model(ids, attention_mask=mask, encoder_hidden_states=encoded,
-                  encoder_attention_mask=np.ones((3, 8), np.int32), params=params)
-    return jnp.sum(out[0] ** 2)
+  def loss(params, sebp=True, cross=True):
+    with use_sebp(active_mask=mask, backend="xla") if sebp else nullcontext():
+      out = model(ids, attention_mask=mask, params=params, **(
+          dict(encoder_hidden_states=encoded,
+               encoder_attention_mask=np.ones((3, 8), np.int32)) if cross else {}))
+    return jnp.sum(jnp.where(mask[..., None] != 0, out[0], 0) ** 2)
 
   with pytest.raises(ValueError, match="one with cross-attention.*Leave active_mask out"):
     jax.eval_shape(jax.grad(loss), model.params)
+  grad = jax.jit(jax.grad(loss), static_argnums=(1, 2))
+  assert_every_gradient_close(grad(model.params, True, False), grad(model.params, False, False))
 
 
 def test_every_layer_of_an_encoder_decoder_is_known_as_one():

@@ -525,6 +525,23 @@ def test_distilbert_packs_and_its_classifier_refuses_padding_in_the_first_column
   assert np.isnan(float(value))
   assert all(np.isnan(leaf).any() for leaf in jax.tree.leaves(
       (grad["distilbert"], grad["classifier"], grad["pre_classifier"]["kernel"])))
+  # The classifier's encoder run on its own (no classifier's call around it) reads no first
+  # column: left padding packs, exactly.
+  def token_loss(params, ids, mask, packed):
+    with _packing(capacity if packed else None, mask, []):
+      hidden = model.module.apply({"params": params}, ids, mask,
+                                  method=lambda m, *a: m.distilbert(*a).last_hidden_state)
+    return jnp.sum(jnp.where(mask[..., None] != 0, hidden, 0) ** 2)
+
+  token_grad = jax.jit(jax.value_and_grad(token_loss), static_argnums=3)
+  assert_matches_dense(token_grad(model.params, *batch[:2], True),
+                       token_grad(model.params, *batch[:2], False))
+  # A traced mask over the capacity: the same, the encoder's gradients NaN behind the ReLU
+  # too (not zero).
+  full = np.ones((BATCH, LENGTH), np.int32)
+  value, grad = packed(model.params, _ids(rng, full), full, rng.integers(0, 2, size=BATCH))
+  assert np.isnan(float(value))
+  assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(grad["distilbert"]))
 
 
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):

@@ -374,7 +374,7 @@ def test_packed_attention_dropout():
   want = _reference_attention(q, k, v, mask, True, 3).reshape(-1, 4, 8)[real]
   attend = jax.jit(lambda *qkv, **kw: packed_attention(*qkv, layout, causal=True, window=3,
                                                        implementation="xla", **kw),
-                   static_argnames="dropout_rate")
+                   static_argnames=("dropout_rate", "broadcast_dropout"))
   key = jax.random.key(0)
   no_rng = attend(*packed, dropout_rng=None, dropout_rate=0.5)
   np.testing.assert_allclose(no_rng[0, :n], want, rtol=1e-5, atol=1e-5)
@@ -388,6 +388,13 @@ def test_packed_attention_dropout():
   other_filler = tuple(a.at[0, n:].set(-a[0, n:] * 3) for a in packed)
   np.testing.assert_array_equal(attend(*other_filler, dropout_rng=key, dropout_rate=0.5)[0, :n],
                                 dropped[0, :n])
+  # Every head alike in, alike out with one mask for every head; apart with one per head.
+  alike = tuple(jnp.broadcast_to(a[:, :, :1], a.shape) for a in packed)
+  one_mask = attend(*alike, dropout_rng=key, dropout_rate=0.5)
+  np.testing.assert_array_equal(one_mask[0, :, 1:], jnp.broadcast_to(one_mask[0, :, :1],
+                                                                      one_mask[0, :, 1:].shape))
+  per_head = attend(*alike, dropout_rng=key, dropout_rate=0.5, broadcast_dropout=False)
+  assert not np.allclose(per_head[0, :n, 1], per_head[0, :n, 0])
 
 
 def test_fused_attention_implementation_on_this_backend():
