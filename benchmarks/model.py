@@ -146,6 +146,8 @@ class Setup:
   has_lm_head: bool
   #: A sequence classifier (its loss over the rows' labels), not a causal LM.
   classifier: bool = False
+  #: The LM head is the token embeddings' (applied through .apply, no path): never swapped.
+  tied_lm_head: bool = False
   nnx: bool = False
   #: The NNX model's weights: float32 (cast to bfloat16 in the loss) or bfloat16.
   param_dtype: Any = jnp.float32
@@ -164,7 +166,7 @@ SETUPS = {
                         "wikitext2_valid_sections_smollm2_bpe.json", has_lm_head=True),
     # Byte-level BPE as SmolLM2's: WikiText-2 paragraphs of about the same token counts.
     "gpt2": Setup("GPT-2 small shapes (GPT2Config(), LM head tied to the embeddings)", 8, 1024,
-                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True),
+                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
     "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
                        "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
@@ -340,6 +342,7 @@ def length_aware_attention(lengths):
   """Every attention module of a supported transformers family computes its attention with
   ``jax.nn.dot_product_attention`` given each sequence's length (right padding), fused
   where :func:`~sebp_jax.packing.fused_attention_implementation` says it runs."""
+  # broadcast_dropout only as the families pass it: this baseline has no dropout.
   def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate,
                      broadcast_dropout=True):
     if window is not None or dropout_rate:
@@ -519,7 +522,7 @@ def packed_slots(mask: np.ndarray, packed_capacity: int | None, num_shards: int)
 
 
 def loss_weight(kind: str):
-  """What ``kind``'s loss averages over on a batch: its sentences (BERT), its predicted
+  """What ``kind``'s loss averages over on a batch: its sentences (the classifiers), its predicted
   tokens (the causal LMs)."""
   if SETUPS[kind].classifier:
     return None
@@ -719,6 +722,9 @@ def run(kind: str, modes, repeats: int, tiny: bool, seed: int, backend: str, out
                 for kind_ in fsdp_kinds[:1 if devices == 1 else None]}
   if not setup.has_lm_head:
     modes = [m for m in modes if split_mode(m, backend)[0] not in LM_HEAD_MODES]
+  if setup.tied_lm_head:  # These would time sebp_shared and bound again.
+    modes = [m for m in modes if split_mode(m, backend)[0] not in ("sebp_lm_head",
+                                                                    "bound_lm_head")]
   if setup.nnx:
     modes = [m for m in modes if split_mode(m, backend)[0] in NNX_MODES]
   fields = dict(model=kind, setup=setup.name, tiny=tiny, batch_size=setup.batch_size, seed=seed,

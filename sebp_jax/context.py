@@ -98,7 +98,8 @@ def _compiled_pattern(pattern: Any, name: str) -> re.Pattern:
 
 @dataclasses.dataclass
 class SEBPReport:
-  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``).
+  """What one ``use_sebp`` context did, layer by layer (module paths joined with ``/``; a
+  module with none, applied through ``.apply``, by its name).
 
   ``swapped`` lists the linear layers, ``embeddings`` the embedding lookups that run with the
   SEBP backward, ``shared_index`` those of both on the mask's index, ``skipped`` the linear

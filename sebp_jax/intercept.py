@@ -106,10 +106,12 @@ class use_sebp(SEBPContext):
       the mask's dims are equal, any layer outside transformers' and Tunix's models, whose
       layers are known to be batch-major: ``report.own_rows``); a layer with another number
       of rows (a head on one row per sequence) is left dense: the mask says nothing about
-      its rows. An encoder-decoder model raises: its stacks see different tokens, and one
-      mask would serve both; leave ``active_mask`` out. Exact when the gradient rows of the
-      masked tokens are exactly zero: BERT classification (attention masks padding keys, the
-      loss reads [CLS] only) and a causal LM whose loss is masked on padding. Not exact when
+      its rows. An encoder-decoder model raises, as does a model's cross-attention (GPT-2,
+      BERT, XGLM with ``add_cross_attention``) called with encoder states: its stacks see
+      different tokens, and one mask would serve both; leave ``active_mask`` out. Exact when
+      the gradient rows of the masked tokens are exactly zero: BERT classification
+      (attention masks padding keys, the loss reads [CLS] only) and a causal LM whose loss is
+      masked on padding. Not exact when
       the loss or a pooling reads padding positions, or when a real token is masked out. A
       NaN/Inf in a masked-out row of dY makes that layer's dW and db NaN rather than vanish.
     backend: ``"auto"`` or an implementation name (``"xla"``, ``"pallas"``, ``"dense"``, or
@@ -118,7 +120,8 @@ class use_sebp(SEBPContext):
       gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
-      (BERT, RoBERTa) or decoder stack (Llama, Mistral, embeddings and final norm included)
+      (BERT and its copies, DistilBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
+      embeddings and final norm included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads
@@ -127,7 +130,8 @@ class use_sebp(SEBPContext):
       embeddings, poolers, heads) keep what the other options say. Exact under the
       conditions of the shared index: the outputs are read at real tokens only. Any mask
       layout works (left padding,
-      holes), but a head that reads each row's first column (BERT's pooler) needs a real
+      holes), but a head that reads each row's first column (BERT's pooler, DistilBERT's
+      classifiers) needs a real
       token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real
       tokens than ``top_n`` is never cut: a concrete mask raises at once, and under ``jit``
       the packed outputs are NaN. Pick ``top_n`` on the
@@ -268,12 +272,13 @@ class use_sebp(SEBPContext):
     """Why this context leaves ``module`` (a bound ``nn.Dense``, ``nn.Embed`` or transformers'
     ``FlaxConv1D``, as its interceptor sees it) as it is, or None when it gives it the SEBP
     backward."""
-    is_conv1d = model_families.is_conv1d(module)
-    is_linear = is_conv1d or isinstance(module, nn.Dense)
+    is_dense = isinstance(module, nn.Dense)
+    is_linear = is_dense or model_families.is_conv1d(module)
     # Only modules that run nn.Dense's / nn.Embed's own __call__ are swapped: a subclass with
-    # its own __call__ (SEBPDense, SEBPEmbed, or any other) would lose its code.
-    if not is_conv1d and type(module).__call__ is not (
-        nn.Dense if is_linear else nn.Embed).__call__:
+    # its own __call__ (SEBPDense, SEBPEmbed, or any other) would lose its code. FlaxConv1D is
+    # matched by its own class.
+    if is_dense and type(module).__call__ is not nn.Dense.__call__ or (
+        not is_linear and type(module).__call__ is not nn.Embed.__call__):
       return "a subclass with its own __call__"
     path = module_path(module)
     if not module.path:
@@ -283,10 +288,9 @@ class use_sebp(SEBPContext):
     reason = self.path_skip_reason(path, is_linear)
     if reason:
       return reason
-    if is_conv1d and not module.has_variable("params", "kernel"):
+    if is_linear and not is_dense and not module.has_variable("params", "kernel"):
       return "being initialized: its own call creates its parameters"
-    if not is_conv1d and is_linear and (module.dot_general is not None
-                                        or module.dot_general_cls is not None):
+    if is_dense and (module.dot_general is not None or module.dot_general_cls is not None):
       return "custom dot_general (e.g. fp8/quantized)"
     if not is_linear and module.num_embeddings == 1:
       return "one-row embedding (a broadcast, no lookup)"

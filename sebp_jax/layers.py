@@ -1,8 +1,9 @@
 """Linen layers with the SEBP backward: ``SEBPDense`` and ``SEBPEmbed``.
 
 Each is a drop-in for its flax layer (same attributes, parameters and forward). The functions
-:func:`sebp_dense_call` and :func:`sebp_embed_call` run a flax layer's ``__call__`` through the
-SEBP ops; they serve these classes and the unmodified layers that ``use_sebp`` intercepts.
+:func:`sebp_dense_call`, :func:`sebp_conv1d_call` (transformers' ``FlaxConv1D``) and
+:func:`sebp_embed_call` run a layer's ``__call__`` through the SEBP ops; they serve these
+classes and the unmodified layers that ``use_sebp`` intercepts.
 """
 
 from __future__ import annotations
@@ -116,9 +117,9 @@ def sebp_conv1d_call(module: nn.Module, inputs: Array, **options) -> Array:
   input, kernel and bias cast to the module's dtype, as its own call does."""
   # Read as the layer reads them, so that a missing or misshapen one raises as there; the
   # initializer only gives the expected shape (a layer being initialized runs its own call).
-  shape = lambda *dims: lambda key: jnp.zeros(dims)
-  kernel = module.param("kernel", shape(module.features, jnp.shape(inputs)[-1]))
-  bias = module.param("bias", shape(module.features)) if module.use_bias else None
+  zeros_of = lambda *shape: lambda key: jnp.zeros(shape)
+  kernel = module.param("kernel", zeros_of(module.features, jnp.shape(inputs)[-1]))
+  bias = module.param("bias", zeros_of(module.features)) if module.use_bias else None
   return _sebp_linear_of(module, inputs, kernel.T, bias, module.dtype, **options)
 
 

@@ -260,7 +260,7 @@ def input_layout(owner: Any) -> str | None:
   None where it is not known. transformers' Flax models feed every layer ``[B, L, ...]``
   rows, but an encoder-decoder's two stacks see different tokens: a layer is the
   encoder-decoder's where its owner's config says so, where it is part of a cross-attention
-  (a module named ``crossattention``), or where a module around it has a
+  (a module named ``crossattention`` or ``encoder_attn``), or where a module around it has a
   ``decoder`` and a config that says so (T5 hands its stacks configs that do not; its
   encoder-only model keeps an encoder-decoder's config, with no decoder); Tunix's NNX models
   are batch-major (``"BTD,DNH->BTNH"``)."""
@@ -273,8 +273,9 @@ def input_layout(owner: Any) -> str | None:
     around = owner
     while isinstance(around, nn.Module):
       # A cross-attention's key and value projections run on the encoder's tokens: Flax BERT
-      # and GPT-2 build one from add_cross_attention alone, is_decoder or not.
-      if around.name == "crossattention" or (
+      # and GPT-2 (crossattention) and XGLM (encoder_attn) build one from
+      # add_cross_attention alone, is_decoder or not.
+      if around.name in ("crossattention", "encoder_attn") or (
           getattr(getattr(around, "config", None), "is_encoder_decoder", False)
           and hasattr(around, "decoder")):
         return ENCODER_DECODER

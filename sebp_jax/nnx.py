@@ -666,9 +666,10 @@ class use_packed_attention:
       out = packed_attention(query, key, value, layout, window=layout.window,
                              method=self.attention, **options)
       # A layout that overflowed its capacity makes the packed outputs NaN, not only their
-      # unpacking: a loss read on the packed slots would miss the tokens cut. Added, not
-      # selected, so that every gradient behind it is NaN too rather than zero.
-      out = out + invalid_slots(layout)[:, None, None].astype(out.dtype)
+      # unpacking: a loss read on the packed slots would miss the tokens cut. A factor, not a
+      # selection or a term, so that every gradient behind it is NaN too rather than zero,
+      # also behind a ReLU.
+      out = out * (1 + invalid_slots(layout)[:, None, None].astype(out.dtype))
       if matches is None:
         return out
       return out + jnp.where(matches, 0, jnp.nan).astype(out.dtype)

@@ -514,8 +514,8 @@ def scatter_tokens(packed: Array, layout: PackedLayout, *, check_padding: bool =
 
 def invalid_slots(layout: PackedLayout) -> Array:
   """``float32[C]``: NaN at the slots of a layout (or, sharded, a shard) that overflowed its
-  capacity or was given another mask (``invalid``), else 0; added to what is read at the
-  slots, so that it turns NaN, and every gradient behind it."""
+  capacity or was given another mask (``invalid``), else 0: what is read at the slots turns
+  NaN with it (added, or as a factor ``1 +`` it), and every gradient behind it."""
   if layout.shards is not None:
     return map_shards(lambda block: invalid_slots(block)[None], layout, (), (),
                       "packed")[0]

@@ -834,16 +834,23 @@ def test_an_encoder_decoder_model_refuses_one_mask_and_is_exact_without():
                               grad(bart.params, None))
 
 
-@pytest.mark.parametrize("name", ["GPT-2", "BERT"])
+@pytest.mark.parametrize("name", ["GPT-2", "BERT", "XGLM"])
 def test_a_model_with_cross_attention_refuses_one_mask(name):
   """transformers' Flax GPT-2 and BERT build cross-attention from add_cross_attention alone,
   is_decoder or not: its key and value projections run on the encoder's rows, of the
   decoder's shape here, so one mask would give them the decoder's index. Called without
   encoder states, the cross-attention does not run, and the mask serves the rest exactly."""
-  from transformers import FlaxBertModel, FlaxGPT2LMHeadModel, GPT2Config
+  from transformers import (FlaxBertModel, FlaxGPT2LMHeadModel, FlaxXGLMForCausalLM,
+                            GPT2Config, XGLMConfig)
   if name == "GPT-2":
     model = FlaxGPT2LMHeadModel(GPT2Config(vocab_size=60, n_positions=16, n_embd=16,
                                            n_layer=1, n_head=2, add_cross_attention=True))
+  elif name == "XGLM":
+    # Its cross-attention (encoder_attn, MBart's) reads these two sizes too.
+    model = FlaxXGLMForCausalLM(XGLMConfig(
+        vocab_size=60, max_position_embeddings=32, d_model=16, num_layers=1,
+        attention_heads=2, ffn_dim=32, add_cross_attention=True, decoder_attention_heads=2,
+        n_embd=16))
   else:
     model = FlaxBertModel(BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1,
                                      num_attention_heads=2, intermediate_size=32,

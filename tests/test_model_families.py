@@ -1,6 +1,6 @@
-"""`use_sebp(packed=True)` end to end on transformers' Flax BERT, RoBERTa, Llama, Mistral, Gemma
-and GPT-2: the loss and every parameter's gradient equal dense `jax.grad` of the unmodified
-model.
+"""`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
+Llama, Mistral, Gemma and GPT-2: the loss and every parameter's gradient equal dense `jax.grad`
+of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
 for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
@@ -642,6 +642,28 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   with use_sebp(top_n=capacity, active_mask=mask, packed=True, exclude="lm_head") as report:
     jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), model.params)
   assert len(report.packed) == 1
+
+
+def test_bert_masked_lm_with_its_decoder_tied_packs():
+  """BERT's masked-LM decoder, tied to the word embeddings (applied through .apply), runs on
+  the packed rows too: the loss over real tokens and every gradient are dense's."""
+  from transformers import FlaxBertForMaskedLM
+  model = FlaxBertForMaskedLM(_encoder_config(BertConfig, layers=1), seed=8)
+  rng = np.random.default_rng(43)
+  mask = _mask(rng, "holes")
+  ids, labels = _ids(rng, mask), rng.integers(3, VOCAB, mask.shape)
+  capacity = token_capacity(mask)
+  reports = []
+
+  def loss(params, packed):
+    with _packing(capacity if packed else None, mask, reports):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(jnp.where(mask != 0, per_token, 0))
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  assert_matches_dense(grad(model.params, True), grad(model.params, False))
+  assert reports[0].packed == ["bert/encoder", "cls/predictions/transform/dense", "decoder"]
 
 
 @pytest.mark.parametrize("lora", [False, True])
