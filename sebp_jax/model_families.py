@@ -43,6 +43,16 @@ def _dropout(module: nn.Module, arguments: dict, rate: float):
 AttentionCore = Callable[..., Any]
 
 
+def _heads(projected, heads: int):
+  """``[.., T, heads * d]`` -> ``[.., T, heads, d]``."""
+  return projected.reshape(*projected.shape[:-1], heads, projected.shape[-1] // heads)
+
+
+def _merged(out):
+  """``[.., T, H, d]`` -> ``[.., T, H * d]``."""
+  return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
 def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
                         arguments: dict) -> tuple:
   """A BERT-style self-attention (``FlaxBertSelfAttention`` and its copies) with
@@ -53,9 +63,7 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
   if arguments.get("init_cache"):
     _refuse("a BERT-style model", "a decoding cache (init_cache)")
   hidden = arguments["hidden_states"]
-  heads = config.num_attention_heads
-  split = lambda a: a.reshape(*a.shape[:2], heads, config.hidden_size // heads)
-  query, key, value = (split(projection(hidden))
+  query, key, value = (_heads(projection(hidden), config.num_attention_heads)
                        for projection in (module.query, module.key, module.value))
   rng, rate = _dropout(module, arguments, config.attention_probs_dropout_prob)
   out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
@@ -64,7 +72,7 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
   if head_mask is not None:
     # Scaling a head's probabilities scales its output alike (transformers passes ones).
     out = out * head_mask[:, None].astype(out.dtype)
-  return (out.reshape(*out.shape[:2], config.hidden_size),)
+  return (_merged(out),)
 
 
 def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
@@ -75,15 +83,13 @@ def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
   hidden = arguments["query"]
   if arguments["key"] is not hidden or arguments["value"] is not hidden:
     _refuse("DistilBERT", "attention whose keys or values are not its queries' tokens")
-  heads = config.n_heads
-  split = lambda a: a.reshape(*a.shape[:2], heads, config.dim // heads)
-  query, key, value = (split(projection(hidden))
+  query, key, value = (_heads(projection(hidden), config.n_heads)
                        for projection in (module.q_lin, module.k_lin, module.v_lin))
   rng, rate = _dropout(module, arguments, config.attention_dropout)
   # nn.Dropout on the probabilities: a mask of its own for every head.
   out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
                        dropout_rate=rate, broadcast_dropout=False)
-  return (module.out_lin(out.reshape(*out.shape[:2], config.dim)),)
+  return (module.out_lin(_merged(out)),)
 
 
 def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
@@ -94,11 +100,10 @@ def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments:
   if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
     _refuse("a decoder", "a decoding cache (init_cache)")
   hidden, positions = arguments["hidden_states"], arguments["position_ids"]
-  # The module's own sizes: Gemma's head_dim is the config's, Llama's hidden_size // heads.
-  heads, kv_heads, head_dim = module.num_heads, module.num_key_value_heads, module.head_dim
-  query = module.q_proj(hidden).reshape(*hidden.shape[:2], heads, head_dim)
-  key = module.k_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
-  value = module.v_proj(hidden).reshape(*hidden.shape[:2], kv_heads, head_dim)
+  # The module's own head counts: Gemma's head size is its config's, not hidden_size // heads.
+  query = _heads(module.q_proj(hidden), module.num_heads)
+  key, value = (_heads(projection(hidden), module.num_key_value_heads)
+                for projection in (module.k_proj, module.v_proj))
   key, query = module.rotary_emb(key, query, positions)
   # As the model's own causal mask, triu(causal, -(sliding_window or 0)): with no window
   # configured, transformers' Flax Mistral lets each token attend to itself only.
@@ -106,7 +111,7 @@ def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments:
   rng, rate = _dropout(module, arguments, config.attention_dropout)
   out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
                        dropout_rate=rate)
-  return (module.o_proj(out.reshape(*out.shape[:2], heads * head_dim)),)
+  return (module.o_proj(_merged(out)),)
 
 
 def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
@@ -118,13 +123,12 @@ def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
   if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
     _refuse("a decoder", "a decoding cache (init_cache)")
   hidden = arguments["hidden_states"]
-  heads = config.num_attention_heads
-  split = lambda a: a.reshape(*a.shape[:2], heads, config.hidden_size // heads)
-  query, key, value = (split(part) for part in jnp.split(module.c_attn(hidden), 3, axis=2))
+  query, key, value = (_heads(part, config.num_attention_heads)
+                       for part in jnp.split(module.c_attn(hidden), 3, axis=2))
   rng, rate = _dropout(module, arguments, config.attn_pdrop)
   out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
                        dropout_rate=rate)
-  out = module.c_proj(out.reshape(*out.shape[:2], config.hidden_size))
+  out = module.c_proj(_merged(out))
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
 
 
