@@ -13,7 +13,7 @@ import optax
 from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import LinearHead, head_of, packed_rows_of
 from sebp_jax.packing import check_token_flags, gather_tokens, invalid_slots
-from sebp_jax.sharding import vary_alike
+from sebp_jax.sharding import check_devices_weighed_alike, vary_alike
 
 #: ``head_chunk="auto"``: a packed LM head's ``[C, V]`` float32 logits above this many bytes
 #: are computed in chunks of rows, each at most :data:`HEAD_CHUNK_BYTES`.
@@ -74,6 +74,7 @@ def masked_causal_lm_loss(logits: jax.Array, input_ids: jax.Array, attention_mas
                        f"dimensions (position t's logits predict token t + 1 of the same "
                        f"[B, L]), got shape {np.shape(array)}")
   input_ids = _token_ids(input_ids, "input_ids")
+  check_devices_weighed_alike("masked_causal_lm_loss", "causal_lm_target_count")
   if head_chunk is not None and head_chunk != "auto" and not (
       isinstance(head_chunk, numbers.Integral) and not isinstance(head_chunk, bool)
       and head_chunk > 0):

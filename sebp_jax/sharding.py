@@ -37,6 +37,8 @@ types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -422,6 +424,22 @@ def _unboxed(tree: Any) -> Any:
   return nn.meta.map_axis_meta(unbox, tree)
 
 
+# Set while fsdp_loss runs a loss_fn whose devices weigh by their rows (weight_fn=None).
+_devices_weighed_by_rows = contextvars.ContextVar("devices_weighed_by_rows", default=False)
+
+
+def check_devices_weighed_alike(loss: str, count_fn: str) -> None:
+  """Raise where ``loss``, a mean over a count other than the rows, runs in :func:`fsdp_loss`
+  without a ``weight_fn``: each device would weigh by its rows, not by what it averages."""
+  if _devices_weighed_by_rows.get():
+    raise ValueError(
+        f"{loss} averages over its target tokens, which devices hold unequally, but "
+        f"fsdp_loss was given no weight_fn and weighs each device by its rows: the loss and "
+        f"gradient would not be the whole batch's. Pass weight_fn=lambda batch: "
+        f"{count_fn}(<the batch's attention mask>), or a weight_fn returning the rows to weigh "
+        f"by rows on purpose.")
+
+
 def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "data",
               weight_fn: Callable | None = None, gather_dtype: Any = None,
               lookups_in_place: bool | str = "auto") -> Callable:
@@ -472,8 +490,9 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     axis: the mesh axis that splits every array of ``batch`` and the split parameters.
     weight_fn: ``weight_fn(batch) -> scalar``, how many items ``loss_fn`` averages over on a
       device's batch (None: its rows; :func:`sebp_jax.losses.causal_lm_target_count` for
-      :func:`~sebp_jax.losses.masked_causal_lm_loss`). Each device's loss weighs by its share,
-      so that the value and the gradient are those of the whole batch on one device. A device
+      :func:`~sebp_jax.losses.masked_causal_lm_loss`, which raises when run here with None).
+      Each device's loss weighs by its share, so that the value and the gradient are those of
+      the whole batch on one device. A device
       of weight 0 (rows all padding) must still get a finite loss: a mean that divides by its
       count of 0 is NaN there, and NaN times its share of 0 makes every gradient NaN.
     gather_dtype: the dtype a split floating parameter is gathered in, the compute dtype it is
@@ -510,12 +529,22 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
               else jnp.asarray(weight_fn(batch), jnp.float32))
     total = jax.lax.psum(weight, axis)
     share = weight / jnp.where(total == 0, 1.0, total)
-    with nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
-                                                  lookups_in_place)):
+    with (nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
+                                                   lookups_in_place)),
+          _weighed_by_rows(weight_fn is None)):
       loss = loss_fn(_unboxed(params_tree.unflatten(whole)), batch)
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
+
+
+@contextlib.contextmanager
+def _weighed_by_rows(by_rows: bool):
+  token = _devices_weighed_by_rows.set(by_rows)
+  try:
+    yield
+  finally:
+    _devices_weighed_by_rows.reset(token)
 
 
 def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",

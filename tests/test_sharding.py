@@ -818,6 +818,34 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
 
 
+def test_fsdp_loss_refuses_a_token_mean_weighed_by_rows():
+  """`masked_causal_lm_loss` in `fsdp_loss` without `weight_fn`: each device would weigh by
+  its rows while averaging over its targets, which devices hold unequally here, a loss and
+  gradient that are not the whole batch's. It raises, naming `weight_fn`; a `weight_fn` that
+  counts rows on purpose gets the mean of the devices' means, and the targets' count one
+  device's loss."""
+  net = nn.Sequential([nn.Embed(32, 4), nn.Dense(32)])
+  rng = np.random.default_rng(11)
+  lengths = np.array([6, 6, 2, 2, 6, 1, 3, 6])  # Each device's 2 rows: 10, 3, 6, 8 targets.
+  mask = (np.arange(6)[None] < lengths[:, None]).astype(np.int32)
+  ids = jnp.asarray(rng.integers(0, 32, size=(8, 6)) * mask, jnp.int32)
+  params = net.init(jax.random.key(1), ids)["params"]
+  loss = lambda params, batch: masked_causal_lm_loss(net.apply({"params": params}, batch[0]),
+                                                     *batch)
+  mesh = _mesh(AxisType.Auto)
+  specs = jax.tree.map(lambda _: P(), params)
+  batch = jax.device_put((ids, mask), NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match="no weight_fn.*causal_lm_target_count"):
+    jax.jit(fsdp_loss(loss, mesh, specs))(params, batch)
+  by_rows = jax.jit(fsdp_loss(loss, mesh, specs, weight_fn=lambda batch: len(batch[0])))
+  by_targets = jax.jit(fsdp_loss(loss, mesh, specs,
+                                 weight_fn=lambda batch: causal_lm_target_count(batch[1])))
+  device_means = [loss(params, (ids[i:i + 2], mask[i:i + 2])) for i in range(0, 8, 2)]
+  np.testing.assert_allclose(by_rows(params, batch), np.mean(device_means), rtol=1e-6)
+  np.testing.assert_allclose(by_targets(params, batch), loss(params, (ids, mask)), rtol=1e-6)
+  assert abs(np.mean(device_means) - loss(params, (ids, mask))) > 1e-3
+
+
 def test_fsdp_loss_takes_params_boxed_by_with_partitioning():
   """A Linen LM whose table and kernels are made with `nn.with_partitioning` (names that are
   no axis of the mesh among them): `fsdp_specs` splits the boxed params as it does unboxed
