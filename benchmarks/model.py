@@ -167,6 +167,11 @@ SETUPS = {
     # Byte-level BPE as SmolLM2's: WikiText-2 paragraphs of about the same token counts.
     "gpt2": Setup("GPT-2 small shapes (GPT2Config(), LM head tied to the embeddings)", 8, 1024,
                   "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
+    "gpt_neo": Setup("GPT-Neo 125M shapes (global and local layers, window 256; tied head)", 8,
+                     1024, "wikitext2_valid_smollm2_bpe.json", has_lm_head=True,
+                     tied_lm_head=True),
+    "opt": Setup("OPT-1.3B shapes (LM head tied to the embeddings)", 4, 1024,
+                 "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
     "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
                        "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
@@ -226,7 +231,8 @@ def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
   from transformers import (BertConfig, DistilBertConfig, FlaxBertForSequenceClassification,
                             FlaxDistilBertForSequenceClassification, FlaxGPT2LMHeadModel,
-                            FlaxLlamaForCausalLM, GPT2Config, LlamaConfig)
+                            FlaxGPTNeoForCausalLM, FlaxLlamaForCausalLM, FlaxOPTForCausalLM,
+                            GPT2Config, GPTNeoConfig, LlamaConfig, OPTConfig)
   if SETUPS[kind].nnx:
     return build_nnx_llama(tiny, SETUPS[kind].param_dtype)
   if kind == "distilbert":
@@ -237,6 +243,21 @@ def build_model(kind: str, tiny: bool, dtype):
     config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
               if tiny else GPT2Config())
     return FlaxGPT2LMHeadModel(config, seed=0, dtype=dtype)
+  if kind == "gpt_neo":
+    config = (GPTNeoConfig(vocab_size=1000, max_position_embeddings=128, hidden_size=64,
+                           num_layers=2, attention_types=[[["global", "local"], 1]],
+                           num_heads=4, window_size=16)
+              if tiny else GPTNeoConfig(hidden_size=768, num_layers=12, num_heads=12,
+                                        attention_types=[[["global", "local"], 6]]))
+    return FlaxGPTNeoForCausalLM(config, seed=0, dtype=dtype)
+  if kind == "opt":
+    config = (OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                        num_attention_heads=4, max_position_embeddings=128,
+                        word_embed_proj_dim=64)
+              if tiny else OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                                     num_attention_heads=32, word_embed_proj_dim=2048,
+                                     max_position_embeddings=2048))
+    return FlaxOPTForCausalLM(config, seed=0, dtype=dtype)
   if kind == "bert":
     config = BertConfig(num_labels=2)
     if tiny:
@@ -345,11 +366,12 @@ def length_aware_attention(lengths):
   # broadcast_dropout only as the families pass it: this baseline has no dropout.
   def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate,
                      broadcast_dropout=True):
-    if window is not None or dropout_rate:
-      raise NotImplementedError("no sliding window or dropout in this baseline")
+    if dropout_rate:
+      raise NotImplementedError("no dropout in this baseline")
     return jax.nn.dot_product_attention(
         query, key, value, is_causal=causal, query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,
+        local_window_size=None if window is None else (window, 0),
         implementation=fused_attention_implementation(query))
 
   def interceptor(next_fun, args, kwargs, context):

@@ -30,6 +30,11 @@ def _refuse(family: str, what: str) -> None:
                    "without packed=True runs it")
 
 
+def _refuse_cache(module: nn.Module, arguments: dict) -> None:
+  if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
+    _refuse("a decoder", "a decoding cache (init_cache)")
+
+
 def _dropout(module: nn.Module, arguments: dict, rate: float):
   """``(rng, rate)`` for the attention probabilities, as the module would draw them."""
   if arguments.get("deterministic", True) or rate == 0.0:
@@ -97,8 +102,7 @@ def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments:
   ``attention_core``: rotary embeddings at each token's own position ids, causal, Mistral's
   sliding window."""
   config = module.config
-  if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
-    _refuse("a decoder", "a decoding cache (init_cache)")
+  _refuse_cache(module, arguments)
   hidden, positions = arguments["hidden_states"], arguments["position_ids"]
   # The module's own head counts: Gemma's head size is its config's, not hidden_size // heads.
   query = _heads(module.q_proj(hidden), module.num_heads)
@@ -120,8 +124,7 @@ def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
   config = module.config
   if arguments.get("key_value_states") is not None or not module.causal:
     _refuse("GPT-2", "cross-attention")
-  if arguments.get("init_cache") or module.has_variable("cache", "cached_key"):
-    _refuse("a decoder", "a decoding cache (init_cache)")
+  _refuse_cache(module, arguments)
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(part, config.num_attention_heads)
                        for part in jnp.split(module.c_attn(hidden), 3, axis=2))
@@ -130,6 +133,60 @@ def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
                        dropout_rate=rate)
   out = module.c_proj(_merged(out))
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
+
+
+def gpt_neo_attention(module: nn.Module, attention_core: AttentionCore,
+                      arguments: dict) -> tuple:
+  """``FlaxGPTNeoSelfAttention`` with ``attention_core``: causal, its local layers' window,
+  queries unscaled (the model multiplies them by sqrt(d) before a core that divides)."""
+  config = module.config
+  _refuse_cache(module, arguments)
+  hidden = arguments["hidden_states"]
+  query = module.q_proj(hidden) * jnp.sqrt(module.head_dim).astype(module.dtype)
+  query, key, value = (_heads(projected, module.num_heads)
+                       for projected in (query, module.k_proj(hidden), module.v_proj(hidden)))
+  # The model's local mask keeps keys fewer than window_size columns back.
+  window = config.window_size - 1 if module.attention_type == "local" else None
+  rng, rate = _dropout(module, arguments, config.attention_dropout)
+  out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
+                       dropout_rate=rate)
+  out = module.out_proj(_merged(out))
+  return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
+
+
+def gptj_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxGPTJAttention`` with ``attention_core``: rotary embeddings (the model's own, on
+  its first ``rotary_dim`` features) at each token's position ids, causal."""
+  config = module.config
+  _refuse_cache(module, arguments)
+  gptj = sys.modules[_original_class(module).__module__]
+  hidden, positions = arguments["hidden_states"], arguments["position_ids"]
+  query, key, value = (_heads(projection(hidden), module.num_heads)
+                       for projection in (module.q_proj, module.k_proj, module.v_proj))
+  sincos = jnp.split(jnp.take(module.embed_positions, positions, axis=0), 2, axis=-1)
+  rotary = module.rotary_dim or query.shape[-1]
+  query, key = (jnp.concatenate([gptj.apply_rotary_pos_emb(x[..., :rotary], sincos),
+                                 x[..., rotary:]], axis=-1) for x in (query, key))
+  rng, rate = _dropout(module, arguments, config.attn_pdrop)
+  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  out = module.out_proj(_merged(out))
+  return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
+
+
+def opt_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxOPTAttention`` with ``attention_core``: causal self-attention (the positions are
+  the embeddings', outside it); no attention weights (``None`` in their place)."""
+  if arguments.get("key_value_states") is not None or not module.causal:
+    _refuse("OPT", "cross-attention or attention that is not causal")
+  _refuse_cache(module, arguments)
+  hidden = arguments["hidden_states"]
+  query, key, value = (_heads(projection(hidden), module.num_heads)
+                       for projection in (module.q_proj, module.k_proj, module.v_proj))
+  rng, rate = _dropout(module, arguments, module.dropout)
+  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  return module.out_proj(_merged(out)), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +237,12 @@ FAMILIES = (
                  llama_attention),
     PackedFamily("GPT-2 decoder", ("FlaxGPT2Module",), "input_ids", ("FlaxGPT2Attention",),
                  gpt2_attention),
+    PackedFamily("GPT-Neo decoder", ("FlaxGPTNeoModule",), "input_ids",
+                 ("FlaxGPTNeoSelfAttention",), gpt_neo_attention),
+    PackedFamily("GPT-J decoder", ("FlaxGPTJModule",), "input_ids", ("FlaxGPTJAttention",),
+                 gptj_attention),
+    PackedFamily("OPT decoder", ("FlaxOPTModule",), "input_ids", ("FlaxOPTAttention",),
+                 opt_attention),
 )
 SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
 

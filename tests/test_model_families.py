@@ -1,5 +1,5 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-Llama, Mistral, Gemma and GPT-2: the loss and every parameter's gradient equal dense `jax.grad`
+Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's gradient equal dense `jax.grad`
 of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
@@ -18,9 +18,11 @@ import optax
 import pytest
 from transformers import (BertConfig, FlaxBertForSequenceClassification,
                           FlaxBertForTokenClassification, FlaxBertModel, FlaxGemmaForCausalLM,
-                          FlaxGPT2LMHeadModel, FlaxLlamaForCausalLM, FlaxMistralForCausalLM,
+                          FlaxGPT2LMHeadModel, FlaxGPTJForCausalLM, FlaxGPTNeoForCausalLM,
+                          FlaxLlamaForCausalLM, FlaxMistralForCausalLM, FlaxOPTForCausalLM,
                           FlaxRobertaForSequenceClassification, GemmaConfig, GPT2Config,
-                          LlamaConfig, MistralConfig, RobertaConfig)
+                          GPTJConfig, GPTNeoConfig, LlamaConfig, MistralConfig, OPTConfig,
+                          RobertaConfig)
 
 from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
@@ -611,6 +613,18 @@ def _tied_decoder(name):
   if name == "GPT-2":
     return FlaxGPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16,
                                           n_layer=2, n_head=2), seed=5)
+  if name == "GPT-Neo":  # A global layer, then a local one of 3 columns.
+    return FlaxGPTNeoForCausalLM(GPTNeoConfig(
+        vocab_size=VOCAB, max_position_embeddings=32, hidden_size=16, num_layers=2,
+        attention_types=[[["global", "local"], 1]], num_heads=2, intermediate_size=32,
+        window_size=3), seed=9)
+  if name == "GPT-J":  # Rotary embeddings on 4 of a head's 8 features; its own LM head.
+    return FlaxGPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_positions=64, n_embd=16,
+                                          n_layer=2, n_head=2, rotary_dim=4), seed=10)
+  if name == "OPT":  # Embeddings narrower than the stack: project_in and project_out.
+    return FlaxOPTForCausalLM(OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+        num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=8), seed=11)
   # A head size of Gemma's own, not hidden_size // heads.
   config = GemmaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -619,13 +633,16 @@ def _tied_decoder(name):
   return FlaxGemmaForCausalLM(config, seed=6)
 
 
-@pytest.mark.parametrize("name, attention", [("GPT-2", "mask"), ("GPT-2", "rows"),
-                                             ("Gemma", "rows")])
+@pytest.mark.parametrize("name, attention", [
+    ("GPT-2", "mask"), ("GPT-2", "rows"), ("Gemma", "rows"), ("GPT-Neo", "mask"),
+    ("GPT-J", "rows"), ("OPT", "mask")])
 def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
-  """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D) and
-  Gemma (grouped-query, a head size of its own): their LM heads, tied to the token
-  embeddings (a Dense applied through .apply, with no path of its own: its name, lm_head, in
-  the report and for exclude), run on the packed rows too, the loss over
+  """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D),
+  Gemma (grouped-query, a head size of its own), GPT-Neo (unscaled queries, a local layer's
+  window), GPT-J (partial rotary embeddings) and OPT (learned positions at an offset, its
+  projections in and out): their LM heads, tied to the token embeddings (a Dense applied
+  through .apply, with no path of its own: its name, lm_head, in the report and for
+  exclude) but GPT-J's, run on the packed rows too, the loss over
   masked_causal_lm_loss(capacity=C)."""
   model = _tied_decoder(name)
   rng = np.random.default_rng(38)
