@@ -120,7 +120,7 @@ class use_sebp(SEBPContext):
       gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
-      (BERT and its copies, DistilBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
+      (BERT and its copies, DistilBERT, ALBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
       GPT-Neo, GPT-J, OPT; embeddings and final norm included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its

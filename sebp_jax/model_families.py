@@ -97,6 +97,20 @@ def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
   return (module.out_lin(_merged(out)),)
 
 
+def albert_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxAlbertSelfAttention`` with ``attention_core``: its projections, then its output
+  projection, dropout and the residual's LayerNorm, which ALBERT keeps inside the module."""
+  config = module.config
+  hidden = arguments["hidden_states"]
+  query, key, value = (_heads(projection(hidden), config.num_attention_heads)
+                       for projection in (module.query, module.key, module.value))
+  rng, rate = _dropout(module, arguments, config.attention_probs_dropout_prob)
+  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
+                       dropout_rate=rate)
+  out = module.dropout(module.dense(_merged(out)), deterministic=arguments["deterministic"])
+  return (module.LayerNorm(out + hidden),)
+
+
 def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
   """``FlaxLlamaAttention`` / ``FlaxMistralAttention`` / ``FlaxGemmaAttention`` with
   ``attention_core``: rotary embeddings at each token's own position ids, causal, Mistral's
@@ -205,8 +219,9 @@ class PackedFamily:
     first_token_heads: class names of the heads that read the region's outputs at each row's
       first column (BERT's [CLS]), their argument ``hidden_states``.
     first_token_models: class names of the models whose own code reads the region's first
-      output at each row's first column (DistilBERT's classifiers): where one's call runs
-      the region, that output is checked as a first-token head's input.
+      output at each row's first column (DistilBERT's classifiers, ALBERT's model with its
+      pooler): where one's call runs the region, that output is checked as a first-token
+      head's input.
   """
   name: str
   regions: tuple[str, ...]
@@ -231,6 +246,10 @@ FAMILIES = (
                  ("FlaxMultiHeadSelfAttention",), distilbert_attention,
                  first_token_models=("FlaxDistilBertForSequenceClassificationModule",
                                      "FlaxDistilBertForMultipleChoiceModule")),
+    # ALBERT's pooler is a Dense of its model's own, reading column 0 in the model's code.
+    PackedFamily("ALBERT encoder", ("FlaxAlbertEncoder",), "hidden_states",
+                 ("FlaxAlbertSelfAttention",), albert_attention,
+                 first_token_models=("FlaxAlbertModule",)),
     PackedFamily("Llama/Mistral/Gemma decoder",
                  ("FlaxLlamaModule", "FlaxMistralModule", "FlaxGemmaModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention", "FlaxGemmaAttention"),
@@ -374,9 +393,11 @@ def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
 
 def first_token_model(module: nn.Module) -> str | None:
   """The class name of ``module`` where its own code reads a packed region's first output at
-  each row's first column (a family's ``first_token_models``), else None."""
+  each row's first column (a family's ``first_token_models``; one built without its pooler,
+  ``add_pooling_layer=False``, reads none), else None."""
   name = type(module).__name__
-  if _from_transformers(module) and any(name in f.first_token_models for f in FAMILIES):
+  if (_from_transformers(module) and any(name in f.first_token_models for f in FAMILIES)
+      and getattr(module, "add_pooling_layer", True)):
     return name
   return None
 

@@ -1,5 +1,5 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's gradient equal dense `jax.grad`
+ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's gradient equal dense `jax.grad`
 of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
@@ -546,6 +546,54 @@ def test_distilbert_packs_and_its_classifier_refuses_padding_in_the_first_column
   assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(grad["distilbert"]))
 
 
+def test_albert_packs_and_its_pooler_refuses_padding_in_the_first_column():
+  """ALBERT's encoder (its layers shared, its embeddings narrower than the stack) packs, its
+  gradients the dense ones. Its model reads each row's first column for the pooler in its own
+  code: with left padding a concrete mask raises and a traced one makes the loss and every
+  gradient NaN. Built without the pooler (token classification) it reads none: left padding
+  packs, exactly."""
+  from transformers import (AlbertConfig, FlaxAlbertForSequenceClassification,
+                            FlaxAlbertForTokenClassification)
+  config = AlbertConfig(vocab_size=VOCAB, embedding_size=8, hidden_size=16,
+                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=32)
+  rng = np.random.default_rng(44)
+  capacity = BATCH * LENGTH - 4
+  reports = []
+
+  def loss_of(model, per_token):
+    def loss(params, ids, mask, labels, packed):
+      with _packing(capacity if packed else None, mask, reports):
+        logits = model(ids, attention_mask=mask, params=params).logits
+      if per_token:
+        per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return jnp.sum(jnp.where(mask != 0, per_row, 0))
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss
+
+  classifier = FlaxAlbertForSequenceClassification(config, seed=12)
+  grad = jax.jit(jax.value_and_grad(loss_of(classifier, per_token=False)), static_argnums=4)
+  for layout in ("right", "holes"):
+    mask = _mask(rng, layout, max_tokens=capacity)
+    batch = (_ids(rng, mask), mask, rng.integers(0, 2, size=BATCH))
+    assert_matches_dense(grad(classifier.params, *batch, True),
+                         grad(classifier.params, *batch, False))
+  assert reports[0].packed == ["albert/encoder"]
+  left = _mask(rng, "right", max_tokens=capacity)[:, ::-1].copy()
+  left[0] = 1  # one full row: the others start with padding
+  left[1:, -1] = 1
+  batch = (_ids(rng, left), left, rng.integers(0, 2, size=BATCH))
+  with pytest.raises(ValueError, match=r"FlaxAlbertModule reads the first column .* "
+                                       r"row\(s\) \[1, 2\]"):
+    jax.eval_shape(lambda p: loss_of(classifier, False)(p, *batch, True), classifier.params)
+  value, grads = grad(classifier.params, *batch, True)
+  assert np.isnan(float(value)) and all(np.isnan(leaf).any() for leaf in jax.tree.leaves(grads))
+  tagger = FlaxAlbertForTokenClassification(config, seed=13)
+  grad = jax.jit(jax.value_and_grad(loss_of(tagger, per_token=True)), static_argnums=4)
+  tags = (batch[0], left, rng.integers(0, 2, size=left.shape))
+  assert_matches_dense(grad(tagger.params, *tags, True), grad(tagger.params, *tags, False))
+
+
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
   """``(ids, mask, positions)``. Right padding and holes: the default positions; left
   padding: each token's position in its sequence."""
@@ -661,11 +709,17 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   assert len(report.packed) == 1
 
 
-def test_bert_masked_lm_with_its_decoder_tied_packs():
-  """BERT's masked-LM decoder, tied to the word embeddings (applied through .apply), runs on
-  the packed rows too: the loss over real tokens and every gradient are dense's."""
-  from transformers import FlaxBertForMaskedLM
-  model = FlaxBertForMaskedLM(_encoder_config(BertConfig, layers=1), seed=8)
+@pytest.mark.parametrize("family, packed_layers", [
+    ("Bert", ["bert/encoder", "cls/predictions/transform/dense", "decoder"]),
+    ("Albert", ["albert/encoder", "predictions/dense", "decoder"])])
+def test_masked_lm_with_its_decoder_tied_packs(family, packed_layers):
+  """BERT's and ALBERT's masked-LM decoders, tied to the word embeddings (applied through
+  .apply), run on the packed rows too: the loss over real tokens and every gradient are
+  dense's."""
+  import transformers
+  config = _encoder_config(getattr(transformers, f"{family}Config"), layers=1,
+                           **({"embedding_size": 8} if family == "Albert" else {}))
+  model = getattr(transformers, f"Flax{family}ForMaskedLM")(config, seed=8)
   rng = np.random.default_rng(43)
   mask = _mask(rng, "holes")
   ids, labels = _ids(rng, mask), rng.integers(3, VOCAB, mask.shape)
@@ -680,7 +734,7 @@ def test_bert_masked_lm_with_its_decoder_tied_packs():
 
   grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
   assert_matches_dense(grad(model.params, True), grad(model.params, False))
-  assert reports[0].packed == ["bert/encoder", "cls/predictions/transform/dense", "decoder"]
+  assert reports[0].packed == packed_layers
 
 
 @pytest.mark.parametrize("lora", [False, True])
