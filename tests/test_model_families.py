@@ -840,22 +840,26 @@ def test_the_loss_computes_a_packed_heads_rows_in_chunks(tiny_llama, monkeypatch
   assert_matches_dense(auto(tiny_llama.params), whole)
 
 
-def test_mistral_sliding_window_in_rows_from_a_host_mask(tiny_mistral):
-  """Row attention keeps a window of columns where the host mask shows rows without holes;
-  with holes it refuses, and "auto" runs the mask there."""
+@pytest.mark.parametrize("name", ["Mistral", "GPT-Neo"])
+def test_sliding_window_in_rows_from_a_host_mask(request, name):
+  """Row attention keeps a window of columns (Mistral's, GPT-Neo's local layer's) where the
+  host mask shows rows without holes; with holes it refuses, and "auto" runs the mask
+  there."""
+  model = (request.getfixturevalue("tiny_mistral") if name == "Mistral"
+           else _tied_decoder(name))
   rng = np.random.default_rng(17)
   capacity = BATCH * LENGTH - 6
-  dense = dense_grad(lm_loss, tiny_mistral)
+  dense = dense_grad(lm_loss, model)
   for layout in ("right", "left"):
     ids, mask, positions = _decoder_batch(rng, layout, capacity)
-    host = functools.partial(lm_loss(tiny_mistral, capacity, [], capacity, "rows"), mask=mask)
+    host = functools.partial(lm_loss(model, capacity, [], capacity, "rows"), mask=mask)
     got = jax.jit(jax.value_and_grad(lambda p: host(p, ids, positions=positions)))(
-        tiny_mistral.params)
-    assert_matches_dense(got, dense(tiny_mistral.params, ids, mask, positions))
+        model.params)
+    assert_matches_dense(got, dense(model.params, ids, mask, positions))
   ids, mask, positions = _decoder_batch(rng, "holes", capacity)
   with pytest.raises(ValueError, match="sliding window .* needs rows without holes"):
-    jax.grad(lm_loss(tiny_mistral, capacity, [], capacity, "rows"))(tiny_mistral.params, ids,
-                                                                   mask, positions)
+    jax.grad(lm_loss(model, capacity, [], capacity, "rows"))(model.params, ids, mask,
+                                                             positions)
 
 
 def test_long_packed_sequences_of_many_rows_are_exact():
