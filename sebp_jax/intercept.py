@@ -234,7 +234,7 @@ class use_sebp(SEBPContext):
     if self.packed and self.require_swaps and self._packed_family is None:
       raise RuntimeError(
           "use_sebp(packed=True) packed nothing: no module of a supported model ran "
-          f"({model_families.SUPPORTED}, from transformers){_NOTHING_TRACED}. Use it around "
+          f"(transformers' {model_families.SUPPORTED}){_NOTHING_TRACED}. Use it around "
           "such a model's call, inside the traced function.")
     if self._packed_family is None:
       self.check_swaps("Dense layer", f"No Dense layer was traced in it{_NOTHING_TRACED}. "

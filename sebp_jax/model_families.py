@@ -263,7 +263,8 @@ FAMILIES = (
     PackedFamily("OPT decoder", ("FlaxOPTModule",), "input_ids", ("FlaxOPTAttention",),
                  opt_attention),
 )
-SUPPORTED = ", ".join(name for family in FAMILIES for name in family.regions)
+#: The packed regions by family, for messages: "DistilBERT encoder: FlaxTransformer; ...".
+SUPPORTED = "; ".join(f"{family.name}: {', '.join(family.regions)}" for family in FAMILIES)
 
 
 def tunix_llama3_attention(module, attention_core: AttentionCore, arguments: dict) -> tuple:
