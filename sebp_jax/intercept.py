@@ -197,8 +197,6 @@ class use_sebp(SEBPContext):
     # The family whose region is running, and the one whose region ran in this context.
     self._region_family: model_families.PackedFamily | None = None
     self._packed_family: model_families.PackedFamily | None = None
-    # The model running whose own code reads a region's outputs at each row's first column.
-    self._first_token_reader: str | None = None
 
   def jit_key(self) -> tuple:
     return (*super().jit_key(), self.packed, self.attention)
@@ -314,27 +312,15 @@ class use_sebp(SEBPContext):
           and isinstance(module, nn.Embed) and self.skip_reason(module) is None):
         return self._packed_lookup(module, args, kwargs)
       return next_fun(*args, **kwargs)
-    reader = model_families.first_token_model(module)
-    if reader is not None:
-      outer, self._first_token_reader = self._first_token_reader, reader
-      try:
-        return next_fun(*args, **kwargs)
-      finally:
-        self._first_token_reader = outer
     family = model_families.region_family(module)
     if family is not None:
       record(self.report.packed, module_path(module))
       self.layers_seen += 1
       self._region_family = self._packed_family = family
       try:
-        outputs = model_families.run_region(family, module, next_fun, args, kwargs,
-                                            self._layout)
+        return model_families.run_region(family, module, next_fun, args, kwargs, self._layout)
       finally:
         self._region_family = None
-      if self._first_token_reader is None:
-        return outputs
-      return model_families.map_first_output(
-          outputs, lambda hidden: self._checked_first_tokens(hidden, self._first_token_reader))
     if (self._packed_family is not None
         and model_families.reads_first_tokens(self._packed_family, module)):
       bound = model_families.bind_arguments(module, args, kwargs)
@@ -383,8 +369,21 @@ class use_sebp(SEBPContext):
                                 batch_axes=shards.axes, mesh=shards.mesh)
     return jnp.reshape(looked_up, (*jnp.shape(ids), looked_up.shape[-1]))
 
+  def _first_column_checked(self, module: nn.Module, args, kwargs) -> tuple[tuple, dict]:
+    """The call's arguments, the input checked (:func:`checked_first_tokens`) where ``module``
+    is a layer that its model's own code gives each row's first column of a packed region's
+    outputs (a family's ``first_token_layers``)."""
+    reader = (None if self._packed_family is None
+              else model_families.first_token_layer(self._packed_family, module))
+    if reader is None:
+      return args, kwargs
+    (inputs,) = args or (kwargs["inputs"],)
+    return (self._checked_first_tokens(inputs, reader),), {}
+
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     if self._layout is not None:
+      if context.method_name == "__call__":
+        args, kwargs = self._first_column_checked(context.module, args, kwargs)
       out = self._intercept_packed(next_fun, args, kwargs, context)
       if out is not _NOT_PACKED:
         return out

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from sebp_jax.packing import PackedLayout, checked_against, gather_tokens, scatter_tokens
 
@@ -155,12 +156,15 @@ def gpt_neo_attention(module: nn.Module, attention_core: AttentionCore,
   queries unscaled (the model multiplies them by sqrt(d) before a core that divides)."""
   config = module.config
   _refuse_cache(module, arguments)
+  local = module.attention_type == "local"
+  if local and config.window_size < 1:
+    _refuse("GPT-Neo", f"window_size={config.window_size} (its local layers attend to no key)")
   hidden = arguments["hidden_states"]
   query = module.q_proj(hidden) * jnp.sqrt(module.head_dim).astype(module.dtype)
   query, key, value = (_heads(projected, module.num_heads)
                        for projected in (query, module.k_proj(hidden), module.v_proj(hidden)))
   # The model's local mask keeps keys fewer than window_size columns back.
-  window = config.window_size - 1 if module.attention_type == "local" else None
+  window = config.window_size - 1 if local else None
   rng, rate = _dropout(module, arguments, config.attention_dropout)
   out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
                        dropout_rate=rate)
@@ -179,8 +183,10 @@ def gptj_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
                        for projection in (module.q_proj, module.k_proj, module.v_proj))
   sincos = jnp.split(jnp.take(module.embed_positions, positions, axis=0), 2, axis=-1)
   rotary = module.rotary_dim or query.shape[-1]
+  # The rotary table is float32: the model's attention casts q and k back to its dtype.
   query, key = (jnp.concatenate([gptj.apply_rotary_pos_emb(x[..., :rotary], sincos),
-                                 x[..., rotary:]], axis=-1) for x in (query, key))
+                                 x[..., rotary:]], axis=-1).astype(module.dtype)
+                for x in (query, key))
   rng, rate = _dropout(module, arguments, config.attn_pdrop)
   out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
                        dropout_rate=rate)
@@ -218,10 +224,9 @@ class PackedFamily:
       module's call: its own projections (and rotary embeddings) around ``attention_core``.
     first_token_heads: class names of the heads that read the region's outputs at each row's
       first column (BERT's [CLS]), their argument ``hidden_states``.
-    first_token_models: class names of the models whose own code reads the region's first
-      output at each row's first column (DistilBERT's classifiers, ALBERT's model with its
-      pooler): where one's call runs the region, that output is checked as a first-token
-      head's input.
+    first_token_layers: ``"<model class>.<layer name>"`` of the layers that a model's own
+      code gives each row's first column of the region's outputs (DistilBERT's
+      pre-classifier, ALBERT's pooler): their input is checked as a first-token head's is.
   """
   name: str
   regions: tuple[str, ...]
@@ -229,7 +234,7 @@ class PackedFamily:
   attention_classes: tuple[str, ...]
   attend: Callable[[nn.Module, AttentionCore, dict], Any]
   first_token_heads: tuple[str, ...] = ()
-  first_token_models: tuple[str, ...] = ()
+  first_token_layers: tuple[str, ...] = ()
 
 
 _BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
@@ -244,12 +249,12 @@ FAMILIES = (
                        for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
     PackedFamily("DistilBERT encoder", ("FlaxTransformer",), "hidden_states",
                  ("FlaxMultiHeadSelfAttention",), distilbert_attention,
-                 first_token_models=("FlaxDistilBertForSequenceClassificationModule",
-                                     "FlaxDistilBertForMultipleChoiceModule")),
-    # ALBERT's pooler is a Dense of its model's own, reading column 0 in the model's code.
+                 first_token_layers=(
+                     "FlaxDistilBertForSequenceClassificationModule.pre_classifier",
+                     "FlaxDistilBertForMultipleChoiceModule.pre_classifier")),
     PackedFamily("ALBERT encoder", ("FlaxAlbertEncoder",), "hidden_states",
                  ("FlaxAlbertSelfAttention",), albert_attention,
-                 first_token_models=("FlaxAlbertModule",)),
+                 first_token_layers=("FlaxAlbertModule.pooler",)),
     PackedFamily("Llama/Mistral/Gemma decoder",
                  ("FlaxLlamaModule", "FlaxMistralModule", "FlaxGemmaModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention", "FlaxGemmaAttention"),
@@ -392,24 +397,15 @@ def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
   return _from_transformers(module) and type(module).__name__ in family.first_token_heads
 
 
-def first_token_model(module: nn.Module) -> str | None:
-  """The class name of ``module`` where its own code reads a packed region's first output at
-  each row's first column (a family's ``first_token_models``; one built without its pooler,
-  ``add_pooling_layer=False``, reads none), else None."""
-  name = type(module).__name__
-  if (_from_transformers(module) and any(name in f.first_token_models for f in FAMILIES)
-      and getattr(module, "add_pooling_layer", True)):
-    return name
-  return None
-
-
-def map_first_output(outputs: Any, fn: Callable[[Any], Any]) -> Any:
-  """A region's outputs (a tuple, or transformers' ``ModelOutput``) with ``fn`` applied to
-  the first (the last hidden states)."""
-  if isinstance(outputs, (tuple, list)):
-    return type(outputs)([fn(outputs[0]), *outputs[1:]])
-  first = next(iter(outputs.keys()))
-  return type(outputs)(**{**dict(outputs.items()), first: fn(outputs[first])})
+def first_token_layer(family: PackedFamily, module: nn.Module) -> str | None:
+  """``"<model class>.<layer name>"`` where ``module`` is one of ``family``'s
+  ``first_token_layers``, which its model's own code gives each row's first column; else
+  None."""
+  parent = module.parent
+  if not (isinstance(parent, nn.Module) and _from_transformers(parent)):
+    return None
+  name = f"{type(parent).__name__}.{module.name}"
+  return name if name in family.first_token_layers else None
 
 
 def attention_family(module: nn.Module) -> PackedFamily | None:
@@ -440,14 +436,19 @@ def call_bound(next_fun, bound: inspect.BoundArguments):
 def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
                layout: PackedLayout):
   """The region's call on the batch's real tokens, its outputs back in ``[B, L]`` shapes. The
-  attention mask it is given must be the layout's (:func:`~sebp_jax.packing.checked_against`)."""
+  attention mask it is given must be the layout's (:func:`~sebp_jax.packing.checked_against`);
+  none given is all ones, every token attended."""
   bound = bind_arguments(module, args, kwargs)
   arguments = bound.arguments
   if arguments.get("output_attentions"):
     _refuse(family.name, "output_attentions=True (packed attention has no [B, H, L, L] weights)")
   if arguments.get("encoder_hidden_states") is not None:
     _refuse(family.name, "cross-attention (encoder_hidden_states)")
-  layout = checked_against(layout, arguments.get("attention_mask"))
+  given = arguments.get("attention_mask")
+  if given is None and "attention_mask" in arguments:
+    # Called without a mask, the model attends over every token, padding included.
+    given = np.ones(layout.batch_shape, np.int32)
+  layout = checked_against(layout, given)
   tokens = arguments[family.tokens_argument]
   arguments[family.tokens_argument] = gather_tokens(
       tokens, layout, filler="token" if jnp.issubdtype(tokens.dtype, jnp.integer) else "zero")

@@ -359,9 +359,9 @@ def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
   concrete = not any(isinstance(a, jax.core.Tracer) for a in (attention_mask, layout.mask))
   if concrete:
     if np.any((np.asarray(attention_mask) != 0) != np.asarray(layout.mask)):
-      raise ValueError("the model's attention_mask differs from use_sebp's active_mask: "
-                       "packing attends over the tokens of active_mask, so pass the model's "
-                       "attention mask as active_mask")
+      raise ValueError("the model's attention_mask (all ones where it is given none) differs "
+                       "from use_sebp's active_mask: packing attends over the tokens of "
+                       "active_mask, so pass the model's attention mask as active_mask")
     return layout
   differs = lambda block, given: block.invalid | jnp.any((given != 0) != block.mask)
   if layout.shards is None:

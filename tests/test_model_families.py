@@ -343,7 +343,7 @@ def test_the_model_mask_must_be_the_active_mask(tiny_bert):
       logits = tiny_bert(ids, attention_mask=attention_mask, params=params).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  with pytest.raises(ValueError, match="attention_mask differs from use_sebp's active_mask"):
+  with pytest.raises(ValueError, match="attention_mask .* differs from use_sebp.s active_mask"):
     loss(tiny_bert.params, mask, loss_mask)
   assert np.isnan(float(jax.jit(loss)(tiny_bert.params, mask, loss_mask)))
   assert np.isfinite(float(jax.jit(loss)(tiny_bert.params, mask, mask)))
@@ -518,8 +518,9 @@ def test_distilbert_packs_and_its_classifier_refuses_padding_in_the_first_column
   left[0] = 1  # one full row: the others start with padding
   left[1:, -1] = 1
   batch = (_ids(rng, left), left, rng.integers(0, 2, size=BATCH))
-  with pytest.raises(ValueError, match="FlaxDistilBertForSequenceClassificationModule reads "
-                                       r"the first column .* row\(s\) \[1, 2\]"):
+  with pytest.raises(ValueError, match="FlaxDistilBertForSequenceClassificationModule."
+                                       r"pre_classifier reads the first column .* "
+                                       r"row\(s\) \[1, 2\]"):
     jax.eval_shape(lambda p: loss(p, *batch), model.params)
   value, grad = packed(model.params, *batch)
   # Every weight of the model's NaN; the pre-classifier's bias, behind a ReLU whose gradient
@@ -550,10 +551,10 @@ def test_albert_packs_and_its_pooler_refuses_padding_in_the_first_column():
   """ALBERT's encoder (its layers shared, its embeddings narrower than the stack) packs, its
   gradients the dense ones. Its model reads each row's first column for the pooler in its own
   code: with left padding a concrete mask raises and a traced one makes the loss and every
-  gradient NaN. Built without the pooler (token classification) it reads none: left padding
-  packs, exactly."""
+  gradient NaN. Built without the pooler (token classification), or its pooler's output
+  unread, left padding packs, exactly."""
   from transformers import (AlbertConfig, FlaxAlbertForSequenceClassification,
-                            FlaxAlbertForTokenClassification)
+                            FlaxAlbertForTokenClassification, FlaxAlbertModel)
   config = AlbertConfig(vocab_size=VOCAB, embedding_size=8, hidden_size=16,
                         num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
                         max_position_embeddings=32)
@@ -583,7 +584,7 @@ def test_albert_packs_and_its_pooler_refuses_padding_in_the_first_column():
   left[0] = 1  # one full row: the others start with padding
   left[1:, -1] = 1
   batch = (_ids(rng, left), left, rng.integers(0, 2, size=BATCH))
-  with pytest.raises(ValueError, match=r"FlaxAlbertModule reads the first column .* "
+  with pytest.raises(ValueError, match=r"FlaxAlbertModule.pooler reads the first column .* "
                                        r"row\(s\) \[1, 2\]"):
     jax.eval_shape(lambda p: loss_of(classifier, False)(p, *batch, True), classifier.params)
   value, grads = grad(classifier.params, *batch, True)
@@ -592,6 +593,18 @@ def test_albert_packs_and_its_pooler_refuses_padding_in_the_first_column():
   grad = jax.jit(jax.value_and_grad(loss_of(tagger, per_token=True)), static_argnums=4)
   tags = (batch[0], left, rng.integers(0, 2, size=left.shape))
   assert_matches_dense(grad(tagger.params, *tags, True), grad(tagger.params, *tags, False))
+  # The bare model runs its pooler, but a loss on the tokens alone does not read it: with a
+  # traced mask (no refusal) left padding packs, exactly.
+  bare = FlaxAlbertModel(config, seed=14)
+
+  def token_loss(params, ids, mask, packed):
+    with _packing(capacity if packed else None, mask, []):
+      hidden = bare(ids, attention_mask=mask, params=params).last_hidden_state
+    return jnp.sum(jnp.where(mask[..., None] != 0, hidden, 0) ** 2)
+
+  grad = jax.jit(jax.value_and_grad(token_loss), static_argnums=3)
+  assert_matches_dense(grad(bare.params, batch[0], left, True),
+                       grad(bare.params, batch[0], left, False))
 
 
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
@@ -862,6 +875,39 @@ def test_sliding_window_in_rows_from_a_host_mask(request, name):
                                                              positions)
 
 
+def test_a_gpt_neo_local_layer_without_a_window_refuses():
+  """window_size=0 leaves a local layer no key (its softmax spreads over every column,
+  padding included): refused, not attended otherwise."""
+  config = _tied_decoder("GPT-Neo").config
+  model = FlaxGPTNeoForCausalLM(GPTNeoConfig(**{**config.to_dict(), "window_size": 0}),
+                                seed=9)
+  batch = _decoder_batch(np.random.default_rng(20), "right")
+  with pytest.raises(ValueError, match="cannot pack GPT-Neo with window_size=0"):
+    jax.eval_shape(lambda p: lm_loss(model, BATCH * LENGTH, [])(p, *batch), model.params)
+
+
+def test_a_region_called_without_an_attention_mask_attends_over_every_token():
+  """OPT's module applied with attention_mask=None attends over padding too: with padding in
+  active_mask a concrete mask raises and a traced one makes the loss NaN; without padding it
+  packs, exactly."""
+  rng = np.random.default_rng(21)
+  ids, mask, positions = _decoder_batch(rng, "left")
+  opt = _tied_decoder("OPT")
+  module = opt.module
+
+  def loss(params, ids, mask, packed):
+    with _packing(BATCH * LENGTH if packed else None, mask, []):
+      logits = module.apply({"params": params}, ids, None, positions).logits
+    return masked_causal_lm_loss(logits, ids, mask)
+
+  with pytest.raises(ValueError, match="all ones where it is given none"):
+    jax.eval_shape(lambda p: loss(p, ids, mask, True), opt.params)
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=3)
+  assert np.isnan(float(grad(opt.params, ids, mask, True)[0]))
+  full = np.ones_like(mask)
+  assert_matches_dense(grad(opt.params, ids, full, True), grad(opt.params, ids, full, False))
+
+
 def test_long_packed_sequences_of_many_rows_are_exact():
   """Llama, 24 sequences of up to 200 tokens (about 2,400 real tokens in one packed
   sequence), attention over the packed sequence and in rows, against dense jax.grad."""
@@ -881,16 +927,20 @@ def test_long_packed_sequences_of_many_rows_are_exact():
     assert_matches_dense(got, want)
 
 
-def test_bfloat16_error_no_larger_than_dense_bfloat16(tiny_mistral):
-  """A bf16 Mistral packed is as close to the float32 dense model as the dense bf16 model."""
+@pytest.mark.parametrize("name", ["Mistral", "GPT-J"])
+def test_bfloat16_error_no_larger_than_dense_bfloat16(request, name):
+  """A bf16 Mistral or GPT-J (its rotary table float32) packed is as close to the float32
+  dense model as the dense bf16 model."""
   rng = np.random.default_rng(18)
-  bf16_mistral = FlaxMistralForCausalLM(tiny_mistral.config, dtype=jnp.bfloat16, _do_init=False)
+  model = (request.getfixturevalue("tiny_mistral") if name == "Mistral"
+           else _tied_decoder(name))
+  bf16_model = type(model)(model.config, dtype=jnp.bfloat16, _do_init=False)
   batch = _decoder_batch(rng, "left")
   capacity = int(batch[1].sum()) + 3
-  params = tiny_mistral.params
-  reference = dense_grad(lm_loss, tiny_mistral)(params, *batch)
-  dense_bf16 = dense_grad(lm_loss, bf16_mistral)(params, *batch)
-  packed_bf16 = packed_grad(lm_loss, bf16_mistral, capacity, [], loss_capacity=capacity)(
+  params = model.params
+  reference = dense_grad(lm_loss, model)(params, *batch)
+  dense_bf16 = dense_grad(lm_loss, bf16_model)(params, *batch)
+  packed_bf16 = packed_grad(lm_loss, bf16_model, capacity, [], loss_capacity=capacity)(
       params, *batch)
   dense_error = _max_error(dense_bf16[1], reference[1])
   assert 1e-5 < dense_error < 0.05
