@@ -946,7 +946,8 @@ def test_bfloat16_error_no_larger_than_dense_bfloat16(request, name):
   assert 1e-5 < dense_error < 0.05
   assert _max_error(packed_bf16[1], reference[1]) <= 2 * dense_error
   loss_error = lambda got: abs(float(got[0]) - float(reference[0]))
-  assert loss_error(packed_bf16) <= 2 * loss_error(dense_bf16) + 1e-6 * float(reference[0])
+  # A slack far below bf16's resolution (2^-8): the dense bf16 loss may land close by chance.
+  assert loss_error(packed_bf16) <= 2 * loss_error(dense_bf16) + 1e-4 * float(reference[0])
 
 
 def test_dropout(tiny_bert):
