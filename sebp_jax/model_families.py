@@ -36,13 +36,6 @@ def _refuse_cache(module: nn.Module, arguments: dict) -> None:
     _refuse("a decoder", "a decoding cache (init_cache)")
 
 
-def _dropout(module: nn.Module, arguments: dict, rate: float):
-  """``(rng, rate)`` for the attention probabilities, as the module would draw them."""
-  if arguments.get("deterministic", True) or rate == 0.0:
-    return None, 0.0
-  return module.make_rng("dropout"), rate
-
-
 #: ``(query [.., T, H, d], key, value [.., T, K, d], *, causal, window, dropout_rng,
 #: dropout_rate[, broadcast_dropout]) -> [.., T, H, d]``: the attention of one layout of
 #: tokens, e.g. :func:`sebp_jax.packing.packed_attention` with its layout bound.
@@ -59,6 +52,18 @@ def _merged(out):
   return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
 
 
+def _attend(module: nn.Module, attention_core: AttentionCore, arguments: dict, query, key,
+            value, *, dropout_rate: float, causal: bool, window: int | None = None, **options):
+  """``attention_core`` of ``module``'s q, k, v, with its dropout of the attention
+  probabilities (``dropout_rate``) where the module would draw it."""
+  if arguments.get("deterministic", True) or dropout_rate == 0.0:
+    rng, dropout_rate = None, 0.0
+  else:
+    rng = module.make_rng("dropout")
+  return attention_core(query, key, value, causal=causal, window=window, dropout_rng=rng,
+                        dropout_rate=dropout_rate, **options)
+
+
 def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
                         arguments: dict) -> tuple:
   """A BERT-style self-attention (``FlaxBertSelfAttention`` and its copies) with
@@ -71,9 +76,8 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(projection(hidden), config.num_attention_heads)
                        for projection in (module.query, module.key, module.value))
-  rng, rate = _dropout(module, arguments, config.attention_probs_dropout_prob)
-  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_probs_dropout_prob, causal=False)
   head_mask = arguments.get("layer_head_mask")
   if head_mask is not None:
     # Scaling a head's probabilities scales its output alike (transformers passes ones).
@@ -91,10 +95,9 @@ def distilbert_attention(module: nn.Module, attention_core: AttentionCore,
     _refuse("DistilBERT", "attention whose keys or values are not its queries' tokens")
   query, key, value = (_heads(projection(hidden), config.n_heads)
                        for projection in (module.q_lin, module.k_lin, module.v_lin))
-  rng, rate = _dropout(module, arguments, config.attention_dropout)
   # nn.Dropout on the probabilities: a mask of its own for every head.
-  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
-                       dropout_rate=rate, broadcast_dropout=False)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_dropout, causal=False, broadcast_dropout=False)
   return (module.out_lin(_merged(out)),)
 
 
@@ -105,9 +108,8 @@ def albert_attention(module: nn.Module, attention_core: AttentionCore, arguments
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(projection(hidden), config.num_attention_heads)
                        for projection in (module.query, module.key, module.value))
-  rng, rate = _dropout(module, arguments, config.attention_probs_dropout_prob)
-  out = attention_core(query, key, value, causal=False, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_probs_dropout_prob, causal=False)
   out = module.dropout(module.dense(_merged(out)), deterministic=arguments["deterministic"])
   return (module.LayerNorm(out + hidden),)
 
@@ -127,9 +129,8 @@ def llama_attention(module: nn.Module, attention_core: AttentionCore, arguments:
   # As the model's own causal mask, triu(causal, -(sliding_window or 0)): with no window
   # configured, transformers' Flax Mistral lets each token attend to itself only.
   window = (config.sliding_window or 0) if "Mistral" in type(module).__name__ else None
-  rng, rate = _dropout(module, arguments, config.attention_dropout)
-  out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_dropout, causal=True, window=window)
   return (module.o_proj(_merged(out)),)
 
 
@@ -143,9 +144,8 @@ def gpt2_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(part, config.num_attention_heads)
                        for part in jnp.split(module.c_attn(hidden), 3, axis=2))
-  rng, rate = _dropout(module, arguments, config.attn_pdrop)
-  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attn_pdrop, causal=True)
   out = module.c_proj(_merged(out))
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
 
@@ -165,9 +165,8 @@ def gpt_neo_attention(module: nn.Module, attention_core: AttentionCore,
                        for projected in (query, module.k_proj(hidden), module.v_proj(hidden)))
   # The model's local mask keeps keys fewer than window_size columns back.
   window = config.window_size - 1 if local else None
-  rng, rate = _dropout(module, arguments, config.attention_dropout)
-  out = attention_core(query, key, value, causal=True, window=window, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_dropout, causal=True, window=window)
   out = module.out_proj(_merged(out))
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
 
@@ -187,9 +186,8 @@ def gptj_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
   query, key = (jnp.concatenate([gptj.apply_rotary_pos_emb(x[..., :rotary], sincos),
                                  x[..., rotary:]], axis=-1).astype(module.dtype)
                 for x in (query, key))
-  rng, rate = _dropout(module, arguments, config.attn_pdrop)
-  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attn_pdrop, causal=True)
   out = module.out_proj(_merged(out))
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
 
@@ -203,9 +201,8 @@ def opt_attention(module: nn.Module, attention_core: AttentionCore, arguments: d
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(projection(hidden), module.num_heads)
                        for projection in (module.q_proj, module.k_proj, module.v_proj))
-  rng, rate = _dropout(module, arguments, module.dropout)
-  out = attention_core(query, key, value, causal=True, window=None, dropout_rng=rng,
-                       dropout_rate=rate)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=module.dropout, causal=True)
   return module.out_proj(_merged(out)), None
 
 
