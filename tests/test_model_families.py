@@ -1,6 +1,6 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's gradient equal dense `jax.grad`
-of the unmodified model.
+ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's
+gradient equal dense `jax.grad` of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
 for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
