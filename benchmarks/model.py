@@ -1,5 +1,5 @@
 """Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, DistilBERT, Llama,
-GPT-2, GPT-Neo and OPT (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``,
+GPT-2, GPT-Neo, OPT and Bloom (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``,
 ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
@@ -110,7 +110,7 @@ from sebp_jax import balanced_shard_order, model_families, use_sebp
 from sebp_jax import nnx as sebp_nnx
 from sebp_jax.implementations import implementation_names
 from sebp_jax.losses import causal_lm_target_count, head_chunk_rows, masked_causal_lm_loss
-from sebp_jax.packing import fused_attention_implementation, token_capacity
+from sebp_jax.packing import alibi_bias, fused_attention_implementation, token_capacity
 from sebp_jax.sharding import (collective_bytes, collective_counts, fsdp_loss, fsdp_specs,
                                shard_row_counts)
 
@@ -173,6 +173,8 @@ SETUPS = {
                      tied_lm_head=True),
     "opt": Setup("OPT-1.3B shapes (LM head tied to the embeddings)", 4, 1024,
                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
+    "bloom": Setup("Bloom-560m shapes (ALiBi; LM head tied to the embeddings)", 8, 1024,
+                   "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
     "llama_nnx": Setup("Llama-3.2-1B shapes, Tunix NNX Llama 3", 4, 1024,
                        "wikitext2_valid_smollm2_bpe.json", has_lm_head=False, nnx=True),
@@ -230,7 +232,8 @@ def build_nnx_llama(tiny: bool, param_dtype) -> NNXModel:
 
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
-  from transformers import (BertConfig, DistilBertConfig, FlaxBertForSequenceClassification,
+  from transformers import (BertConfig, BloomConfig, DistilBertConfig,
+                            FlaxBertForSequenceClassification, FlaxBloomForCausalLM,
                             FlaxDistilBertForSequenceClassification, FlaxGPT2LMHeadModel,
                             FlaxGPTNeoForCausalLM, FlaxLlamaForCausalLM, FlaxOPTForCausalLM,
                             GPT2Config, GPTNeoConfig, LlamaConfig, OPTConfig)
@@ -259,6 +262,11 @@ def build_model(kind: str, tiny: bool, dtype):
                                      num_attention_heads=32, word_embed_proj_dim=2048,
                                      max_position_embeddings=2048))
     return FlaxOPTForCausalLM(config, seed=0, dtype=dtype)
+  if kind == "bloom":
+    config = (BloomConfig(vocab_size=1000, hidden_size=64, n_layer=2, n_head=4)
+              if tiny else BloomConfig(vocab_size=250880, hidden_size=1024, n_layer=24,
+                                       n_head=16))
+    return FlaxBloomForCausalLM(config, seed=0, dtype=dtype)
   if kind == "bert":
     config = BertConfig(num_labels=2)
     if tiny:
@@ -363,14 +371,17 @@ def linear_backward_removed(lm_head: bool):
 def length_aware_attention(lengths):
   """Every attention module of a supported transformers family computes its attention with
   ``jax.nn.dot_product_attention`` given each sequence's length (right padding), fused
-  where :func:`~sebp_jax.packing.fused_attention_implementation` says it runs."""
+  where :func:`~sebp_jax.packing.fused_attention_implementation` says it runs; ALiBi's bias
+  counts columns, each row's real tokens first."""
   # broadcast_dropout only as the families pass it: this baseline has no dropout.
   def attention_core(query, key, value, *, causal, window, dropout_rng, dropout_rate,
-                     broadcast_dropout=True):
+                     broadcast_dropout=True, alibi_slopes=None):
     if dropout_rate:
       raise NotImplementedError("no dropout in this baseline")
+    length = query.shape[1]
     return jax.nn.dot_product_attention(
-        query, key, value, is_causal=causal, query_seq_lengths=lengths,
+        query, key, value, bias=alibi_bias(alibi_slopes, jnp.arange(length), query, length),
+        is_causal=causal, query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,
         local_window_size=None if window is None else (window, 0),
         implementation=fused_attention_implementation(query))

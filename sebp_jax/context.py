@@ -140,18 +140,6 @@ def _split(sharding: RowSharding | None) -> tuple | None:
   return None if sharding is None else (sharding.axes, sharding.num_shards)
 
 
-def unread_parameters_reason(names, read: tuple[str | None, ...]) -> str | None:
-  """Why a layer that holds parameters (``names``) its own computation does not read (those
-  of ``read``) stays dense, or None: an adapter that intercepts the layer's ops (qwix's LoRA)
-  adds to its output, and the SEBP backward, which knows the layer's own, would drop that
-  part of dX."""
-  unread = sorted(set(names) - set(read))
-  if not unread:
-    return None
-  return (f"parameters its computation does not read ({', '.join(unread)}): an adapter that "
-          "intercepts its ops, such as qwix's LoRA, may add to its output")
-
-
 def record(bucket: list[str], path: str) -> None:
   if path not in bucket:
     bucket.append(path)

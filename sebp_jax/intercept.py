@@ -30,11 +30,11 @@ import jax.numpy as jnp
 
 from sebp_jax import model_families
 from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, LM_HEAD, SEBPContext,
-                              SEBPReport, record, unread_parameters_reason, validate_switch)
+                              SEBPReport, record, validate_switch)
 from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, resolve_top_n,
                              sebp_conv1d_call, sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
-from sebp_jax.outputs import remember_packed
+from sebp_jax.outputs import remember_packed, unread_parameters_reason
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_first_tokens,
                               gather_tokens, pack_layout, packed_attention, scatter_tokens,
                               token_capacity)
@@ -121,7 +121,7 @@ class use_sebp(SEBPContext):
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
       (BERT and its copies, DistilBERT, ALBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
-      GPT-Neo, GPT-J, OPT; embeddings and final norm included)
+      GPT-Neo, GPT-J, OPT, Bloom; embeddings and final norm included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads

@@ -19,7 +19,7 @@ import numpy as np
 from flax.linen.dtypes import canonicalize_dtype, promote_dtype
 
 from sebp_jax.ops import sebp_embed_lookup, sebp_linear
-from sebp_jax.outputs import LinearHead
+from sebp_jax.outputs import LinearHead, linear_head_reason
 from sebp_jax.report import RowLog
 
 Array = jax.Array
@@ -138,10 +138,9 @@ def _sebp_linear_of(module: nn.Module, inputs: Array, kernel: Array, bias: Array
 
 def linear_head(module: nn.Dense, inputs: Array) -> LinearHead | None:
   """``module``, a Dense layer that has run, as the :class:`LinearHead` of its output on
-  ``inputs: [C, D]`` (its forward's promotion applied); None where its matmul is its own
-  (a custom ``dot_general``, or a subclass with its own ``__call__``)."""
-  if (type(module).__call__ not in (nn.Dense.__call__, SEBPDense.__call__)
-      or module.dot_general is not None or module.dot_general_cls is not None):
+  ``inputs: [C, D]`` (its forward's promotion applied); None where its output is more than
+  its kernel's and bias's (:func:`linear_head_reason`)."""
+  if type(module).__call__ is not nn.Dense.__call__ or linear_head_reason(module) is not None:
     return None
   # Unboxed as module.param would: nn.with_partitioning wraps a param in its metadata.
   kernel = nn.meta.unbox(module.get_variable("params", "kernel"))

@@ -15,11 +15,13 @@ transformers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,8 +39,8 @@ def _refuse_cache(module: nn.Module, arguments: dict) -> None:
 
 
 #: ``(query [.., T, H, d], key, value [.., T, K, d], *, causal, window, dropout_rng,
-#: dropout_rate[, broadcast_dropout]) -> [.., T, H, d]``: the attention of one layout of
-#: tokens, e.g. :func:`sebp_jax.packing.packed_attention` with its layout bound.
+#: dropout_rate[, broadcast_dropout, alibi_slopes]) -> [.., T, H, d]``: the attention of one
+#: layout of tokens, e.g. :func:`sebp_jax.packing.packed_attention` with its layout bound.
 AttentionCore = Callable[..., Any]
 
 
@@ -206,6 +208,33 @@ def opt_attention(module: nn.Module, attention_core: AttentionCore, arguments: d
   return module.out_proj(_merged(out)), None
 
 
+def bloom_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
+  """``FlaxBloomAttention`` with ``attention_core``: its fused q/k/v projection (each head's
+  q, k and v side by side), causal, ALiBi with the model's slopes (the core counts a key's
+  rank in its own sequence, as the model's bias built from the mask does), then its output
+  projection, residual dropout and residual."""
+  config = module.config
+  _refuse_cache(module, arguments)
+  hidden = arguments["hidden_states"]
+  query, key, value = jnp.split(_heads(module.query_key_value(hidden), config.n_head), 3,
+                                axis=-1)
+  out = _attend(module, attention_core, arguments, query, key, value,
+                dropout_rate=config.attention_dropout, causal=True,
+                alibi_slopes=_alibi_slopes(_original_class(module).__module__, config.n_head))
+  out = module.resid_dropout(module.dense(_merged(out)), deterministic=arguments["deterministic"])
+  return (out + arguments["residual"],)
+
+
+@functools.cache
+def _alibi_slopes(model_module: str, heads: int) -> tuple[float, ...]:
+  """Each head's ALiBi slope, from the model's own ``build_alibi_tensor`` (a key's bias is
+  its slope times its rank: rank 1 of a two-token mask)."""
+  with jax.ensure_compile_time_eval():
+    alibi = sys.modules[model_module].build_alibi_tensor(jnp.ones((1, 2), jnp.int32), heads,
+                                                         jnp.float32)
+  return tuple(float(slope) for slope in np.asarray(alibi)[0, :, 0, 1])
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedFamily:
   """One model family: which module runs packed, what it gathers, how its attention runs.
@@ -264,6 +293,8 @@ FAMILIES = (
                  gptj_attention),
     PackedFamily("OPT decoder", ("FlaxOPTModule",), "input_ids", ("FlaxOPTAttention",),
                  opt_attention),
+    PackedFamily("Bloom decoder", ("FlaxBloomModule",), "input_ids", ("FlaxBloomAttention",),
+                 bloom_attention),
 )
 #: The packed regions by family, for messages: "DistilBERT encoder: FlaxTransformer; ...".
 SUPPORTED = "; ".join(f"{family.name}: {', '.join(family.regions)}" for family in FAMILIES)

@@ -29,9 +29,9 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 
 from sebp_jax import context as context_lib
 from sebp_jax import model_families
-from sebp_jax.context import (DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record,
-                              unread_parameters_reason)
+from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
 from sebp_jax.layers import resolve_top_n
+from sebp_jax.outputs import unread_parameters_reason
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_decoder_mask,
                               invalid_slots, packed_attention)
 from sebp_jax.ops import (sebp_embed_lookup, sebp_linear, validate_backend, validate_capacity,

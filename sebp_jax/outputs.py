@@ -14,8 +14,10 @@ import threading
 import weakref
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 Array = jax.Array
 
@@ -42,6 +44,44 @@ class LinearHead:
   bias: Array | None
   precision: Any = flax.struct.field(pytree_node=False, default=None)
   vocab_axis: str | None = flax.struct.field(pytree_node=False, default=None)
+
+
+def unread_parameters_reason(names, read: tuple[str | None, ...]) -> str | None:
+  """Why a layer that holds parameters (``names``) its own computation does not read (those
+  of ``read``) stays dense, or None: an adapter that intercepts the layer's ops (qwix's LoRA)
+  adds to its output, and the SEBP backward, which knows the layer's own, would drop that
+  part of dX."""
+  unread = sorted(set(names) - set(read))
+  if not unread:
+    return None
+  return (f"parameters its computation does not read ({', '.join(unread)}): an adapter that "
+          "intercepts its ops, such as qwix's LoRA, may add to its output")
+
+
+#: Primitives that only type a value as varying over mesh axes (``jax.shard_map``).
+_VARYING = ("pvary", "pcast")
+
+
+def linear_head_reason(module: nn.Dense) -> str | None:
+  """Why a loss may not compute the output of ``module`` (a Dense layer that runs
+  ``nn.Dense.__call__``, in its call, its parameters made) from its kernel and bias alone, as
+  a :class:`LinearHead`, or None: a custom ``dot_general``, parameters its computation does
+  not read (an adapter: qwix's LoRA), or a ``dot_general`` that an op interceptor rewrites in
+  this layer's call (qwix's quantization-aware training, which adds no parameter)."""
+  if module.dot_general is not None or module.dot_general_cls is not None:
+    return "a custom dot_general"
+  reason = unread_parameters_reason(module.variables.get("params", {}), ("kernel", "bias"))
+  if reason:
+    return reason
+  kernel = nn.meta.unbox(module.get_variable("params", "kernel"))
+  probe = jax.ShapeDtypeStruct((1, jnp.shape(kernel)[0]), jnp.result_type(kernel))
+  matmul = jax.make_jaxpr(
+      lambda x: jax.lax.dot_general(x, kernel, (((1,), (0,)), ((), ()))))(probe)
+  # Inside a shard_map the probe is first marked as varying over the kernel's axes.
+  ops = [eqn.primitive.name for eqn in matmul.eqns if eqn.primitive.name not in _VARYING]
+  if ops != ["dot_general"]:
+    return "its dot_general rewritten by an op interceptor (qwix's quantization)"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -744,8 +744,26 @@ def attention_method(query: Array, layout: PackedLayout, *, window: int | None,
   return "rows"
 
 
+def alibi_bias(alibi_slopes: tuple[float, ...] | None, key_ranks: Array, query: Array,
+                num_keys: int) -> Array | None:
+  """``[1, H, T, S]`` for ``query [.., T, H, d]``: ALiBi's bias of each key, its head's slope
+  times the key's rank ``key_ranks [S]`` (its sequence's real tokens before it), in the
+  query's dtype, as Bloom's own bias; None without slopes. A bias of the key alone is exact:
+  softmax drops the query's own term of the distance. Broadcast whole, as cuDNN needs it."""
+  if alibi_slopes is None:
+    return None
+  heads, length = query.shape[-2], query.shape[-3]
+  if len(alibi_slopes) != heads:
+    raise ValueError(f"alibi_slopes must hold one slope per query head ({heads}), got "
+                     f"{len(alibi_slopes)}")
+  slopes = jnp.asarray(alibi_slopes, jnp.float32)[:, None]
+  bias = (slopes * key_ranks.astype(jnp.float32)[None]).astype(query.dtype)
+  return jnp.broadcast_to(bias[None, :, None, :], (1, heads, length, num_keys))
+
+
 def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
                   causal: bool, window: int | None = None,
+                  alibi_slopes: tuple[float, ...] | None = None,
                   implementation: str | None = None) -> Array:
   """Per-sequence attention of packed tokens, each sequence in a row of its own.
 
@@ -775,9 +793,12 @@ def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, 
   window = _row_window(window, layout)
   # A row without tokens attends to one zero slot: finite, and never read.
   lengths = jnp.maximum(layout.row_lengths, 1)
+  # A row's tokens sit at their ranks: a key's rank is its slot in the row.
+  bias = alibi_bias(alibi_slopes, jnp.arange(width), query_rows, width)
   out = jax.nn.dot_product_attention(
-      query_rows, to_rows(key), to_rows(value), is_causal=causal, query_seq_lengths=lengths,
-      key_value_seq_lengths=lengths, local_window_size=None if window is None else (window, 0),
+      query_rows, to_rows(key), to_rows(value), bias=bias, is_causal=causal,
+      query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+      local_window_size=None if window is None else (window, 0),
       implementation=implementation or fused_attention_implementation(query_rows))
   out = jnp.take(out.reshape(batch * width, *out.shape[2:]), slots, axis=0, mode="fill",
                  fill_value=0, indices_are_sorted=True, unique_indices=True)
@@ -786,6 +807,7 @@ def row_attention(query: Array, key: Array, value: Array, layout: PackedLayout, 
 
 def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayout, *,
                      causal: bool, window: int | None = None,
+                     alibi_slopes: tuple[float, ...] | None = None,
                      dropout_rng: Array | None = None, dropout_rate: float = 0.0,
                      broadcast_dropout: bool = True, implementation: str | None = None,
                      method: str = "auto") -> Array:
@@ -797,6 +819,8 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
     layout: the batch's :class:`PackedLayout`.
     causal: decoder attention (by column within each row).
     window: sliding window, in columns (Mistral), or None.
+    alibi_slopes: ALiBi (Bloom): one slope per query head (static floats); each logit gains
+      its head's slope times the key's rank in its sequence, minus the query's, or None.
     dropout_rng, dropout_rate: dropout on the attention probabilities, as flax's
       ``dot_product_attention_weights`` applies it; its random mask falls on other positions
       than in the padded batch.
@@ -818,7 +842,8 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
       raise ValueError("packing a batch split over devices has no attention dropout: run "
                        "the model deterministic, or on one device")
     attend = functools.partial(packed_attention, causal=causal, window=window,
-                               implementation=implementation, method=method)
+                               alibi_slopes=alibi_slopes, implementation=implementation,
+                               method=method)
     return map_shards(lambda block, q, k, v: attend(q, k, v, block), layout,
                       (query, key, value), ("packed",) * 3, "packed")
   if method == "auto":
@@ -827,17 +852,18 @@ def packed_attention(query: Array, key: Array, value: Array, layout: PackedLayou
     if dropout:
       raise ValueError("row attention has no dropout: use the 'mask' attention")
     return row_attention(query, key, value, layout, causal=causal, window=window,
-                         implementation=implementation)
+                         alibi_slopes=alibi_slopes, implementation=implementation)
   mask = attention_mask(layout, causal=causal, window=window)
+  bias = alibi_bias(alibi_slopes, layout.ranks, query, layout.capacity)
   if dropout:
     # The fused kernels have no dropout: the probabilities are materialised.
     groups = query.shape[2] // key.shape[2]
     key, value = (jnp.repeat(a, groups, axis=2) for a in (key, value))
-    bias = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
+    bias = jnp.where(mask, 0.0 if bias is None else bias, jnp.finfo(jnp.float32).min)
     weights = nn.dot_product_attention_weights(
         query, key, bias=bias, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, deterministic=False, dtype=jnp.float32)
     return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
   implementation = implementation or fused_attention_implementation(query)
-  return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=causal,
-                                      implementation=implementation)
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                      is_causal=causal, implementation=implementation)

@@ -54,7 +54,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from sebp_jax.backward import table_row_ids
 from sebp_jax.implementations import explicit_axes, varying_axes
-from sebp_jax.outputs import LinearHead, packed_rows_of, remember_head, remember_packed
+from sebp_jax.outputs import (LinearHead, linear_head_reason, packed_rows_of, remember_head,
+                              remember_packed)
 from sebp_jax.selection import validate_top_n
 
 logger = logging.getLogger("sebp_jax")
@@ -386,7 +387,7 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
       return split_table_lookup(shard, inputs, axis, module.num_embeddings)
     if _plain(module, nn.Dense) and module.has_variable("params", "kernel"):
       kernel, dimension = shards.get(id(module.get_variable("params", "kernel")), (None, None))
-      if dimension != 1:
+      if dimension != 1 or linear_head_reason(module) is not None:
         return next_fun(*args, **kwargs)
       bias = None
       if module.use_bias:

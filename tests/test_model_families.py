@@ -1,5 +1,5 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J and OPT: the loss and every parameter's
+ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT and Bloom: the loss and every parameter's
 gradient equal dense `jax.grad` of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
@@ -7,6 +7,7 @@ for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a
 predicts a real token."""
 
 import functools
+import inspect
 import re
 from contextlib import nullcontext
 
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from transformers import (BertConfig, FlaxBertForSequenceClassification,
-                          FlaxBertForTokenClassification, FlaxBertModel, FlaxGemmaForCausalLM,
+from transformers import (BertConfig, BloomConfig, FlaxBertForSequenceClassification,
+                          FlaxBertForTokenClassification, FlaxBertModel, FlaxBloomForCausalLM,
+                          FlaxGemmaForCausalLM,
                           FlaxGPT2LMHeadModel, FlaxGPTJForCausalLM, FlaxGPTNeoForCausalLM,
                           FlaxLlamaForCausalLM, FlaxMistralForCausalLM, FlaxOPTForCausalLM,
                           FlaxRobertaForSequenceClassification, GemmaConfig, GPT2Config,
@@ -119,10 +121,14 @@ def classifier_loss(model, capacity=None, reports=None, attention="auto", **call
 
 
 def lm_loss(model, capacity=None, reports=None, loss_capacity=None, attention="auto"):
-  """``(params, ids, mask, positions) -> masked_causal_lm_loss``."""
+  """``(params, ids, mask, positions) -> masked_causal_lm_loss``; the positions go to models
+  that take them (not Bloom's: ALiBi counts each row's real tokens)."""
+  takes_positions = "position_ids" in inspect.signature(model.__call__).parameters
+
   def loss(params, ids, mask, positions):
+    positions = {"position_ids": positions} if takes_positions else {}
     with _packing(capacity, mask, reports, attention):
-      logits = model(ids, attention_mask=mask, position_ids=positions, params=params).logits
+      logits = model(ids, attention_mask=mask, params=params, **positions).logits
     return masked_causal_lm_loss(logits, ids, mask, capacity=loss_capacity)
   return loss
 
@@ -686,6 +692,9 @@ def _tied_decoder(name):
     return FlaxOPTForCausalLM(OPTConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
         num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=8), seed=11)
+  if name == "Bloom":  # ALiBi; weights large enough that its bias moves the gradient.
+    return FlaxBloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
+                                            n_head=4, initializer_range=0.2), seed=12)
   # A head size of Gemma's own, not hidden_size // heads.
   config = GemmaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -696,15 +705,15 @@ def _tied_decoder(name):
 
 @pytest.mark.parametrize("name, attention", [
     ("GPT-2", "mask"), ("GPT-2", "rows"), ("Gemma", "rows"), ("GPT-Neo", "mask"),
-    ("GPT-J", "rows"), ("OPT", "mask")])
+    ("GPT-J", "rows"), ("OPT", "mask"), ("Bloom", "mask"), ("Bloom", "rows")])
 def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D),
   Gemma (grouped-query, a head size of its own), GPT-Neo (unscaled queries, a local layer's
-  window), GPT-J (partial rotary embeddings) and OPT (learned positions at an offset, its
-  projections in and out): their LM heads, tied to the token embeddings (a Dense applied
-  through .apply, with no path of its own: its name, lm_head, in the report and for
-  exclude) but GPT-J's, run on the packed rows too, the loss over
-  masked_causal_lm_loss(capacity=C)."""
+  window), GPT-J (partial rotary embeddings), OPT (learned positions at an offset, its
+  projections in and out) and Bloom (ALiBi over each row's real tokens): their LM heads,
+  tied to the token embeddings (a Dense applied through .apply, with no path of its own: its
+  name, lm_head, in the report and for exclude) but GPT-J's, run on the packed rows too, the
+  loss over masked_causal_lm_loss(capacity=C)."""
   model = _tied_decoder(name)
   rng = np.random.default_rng(38)
   capacity = BATCH * LENGTH - 6
@@ -720,6 +729,18 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   with use_sebp(top_n=capacity, active_mask=mask, packed=True, exclude="lm_head") as report:
     jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), model.params)
   assert len(report.packed) == 1
+
+
+def test_bloom_packed_without_alibi_is_not_dense(monkeypatch):
+  """The Bloom rows above can tell: packed with every ALiBi slope 0, the gradient is not
+  dense's."""
+  from sebp_jax import model_families
+  monkeypatch.setattr(model_families, "_alibi_slopes", lambda module, heads: (0.0,) * heads)
+  model = _tied_decoder("Bloom")
+  batch = _decoder_batch(np.random.default_rng(38), "holes", BATCH * LENGTH - 6)
+  got = packed_grad(lm_loss, model, BATCH * LENGTH - 6, [])(model.params, *batch)
+  want = dense_grad(lm_loss, model)(model.params, *batch)
+  assert _max_error(got[1], want[1]) > 1e-3
 
 
 @pytest.mark.parametrize("family, packed_layers", [
@@ -781,6 +802,44 @@ def test_a_module_applied_on_numpy_ids_packs_with_or_without_qwix_lora(lora):
   grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
   assert_matches_dense(grad(params, True), grad(params, False))
   assert reports[0].packed == ["model", "lm_head"]
+
+
+@pytest.mark.parametrize("adapter", ["lora_on_the_head", "quantized_head", "lora_elsewhere"])
+def test_a_chunked_head_computes_what_the_head_computes_under_qwix(adapter):
+  """qwix's LoRA or quantization-aware training (int4 weights, no parameter added) on the LM
+  head changes what it computes: the loss's chunks, which would compute the rows from the
+  head's kernel alone, read its packed rows instead, and the value and every gradient are
+  dense's. LoRA on other layers leaves the head's rows to the chunks."""
+  qwix = pytest.importorskip("qwix")
+  from transformers.models.llama.modeling_flax_llama import FlaxLlamaForCausalLMModule
+  module = FlaxLlamaForCausalLMModule(_decoder_config(LlamaConfig))
+  if adapter == "quantized_head":
+    module = qwix.quantize_model(module, qwix.QtProvider(
+        [qwix.QtRule(module_path=".*lm_head", weight_qtype="int4")]))
+  else:
+    adapted = ".*(q_proj|lm_head)" if adapter == "lora_on_the_head" else ".*(q_proj|v_proj)"
+    module = qwix.apply_lora_to_model(
+        module, qwix.LoraProvider(module_path=adapted, rank=2, alpha=2.0))
+  rng = np.random.default_rng(44)
+  ids, mask, positions = _decoder_batch(rng, "holes")
+  params = module.init(jax.random.key(0), ids, mask, positions)
+  keys = iter(jax.random.split(jax.random.key(1), 64))
+  params = jax.tree_util.tree_map_with_path(  # qwix starts LoRA's B at zero.
+      lambda path, p: 0.3 * jax.random.normal(next(keys), p.shape) if "lora" in str(path) else p,
+      params)
+  capacity = token_capacity(mask)
+
+  def loss(params, packed):
+    with _packing(capacity if packed else None, mask, []):
+      logits = module.apply(params, ids, mask, positions).logits
+    return masked_causal_lm_loss(logits, ids, mask, head_chunk=5 if packed else None)
+
+  packed = jax.jit(jax.value_and_grad(functools.partial(loss, packed=True))).lower(
+      params).compile()
+  dense = jax.jit(jax.value_and_grad(functools.partial(loss, packed=False)))(params)
+  assert_matches_dense(packed(params), dense)
+  chunked = f"[{capacity},{VOCAB}]" not in packed.as_text()
+  assert chunked == (adapter == "lora_elsewhere")
 
 
 def test_the_loss_reads_the_packed_lm_heads_rows(tiny_llama):
@@ -927,10 +986,10 @@ def test_long_packed_sequences_of_many_rows_are_exact():
     assert_matches_dense(got, want)
 
 
-@pytest.mark.parametrize("name", ["Mistral", "GPT-J"])
+@pytest.mark.parametrize("name", ["Mistral", "GPT-J", "Bloom"])
 def test_bfloat16_error_no_larger_than_dense_bfloat16(request, name):
-  """A bf16 Mistral or GPT-J (its rotary table float32) packed is as close to the float32
-  dense model as the dense bf16 model."""
+  """A bf16 Mistral, GPT-J (its rotary table float32) or Bloom (its ALiBi bias bf16) packed
+  is as close to the float32 dense model as the dense bf16 model."""
   rng = np.random.default_rng(18)
   model = (request.getfixturevalue("tiny_mistral") if name == "Mistral"
            else _tied_decoder(name))

@@ -220,16 +220,21 @@ def test_attention_mask_matches_the_padded_batch(seed, shape, kind, causal, wind
   assert np.all(np.diag(got)[n:])
 
 
-def _reference_attention(q, k, v, mask, causal, window):
-  """float64 attention of each padded sequence over its own real keys: [B, L, H, d]."""
+def _reference_attention(q, k, v, mask, causal, window, alibi_slopes=None):
+  """float64 attention of each padded sequence over its own real keys: [B, L, H, d]. With
+  ``alibi_slopes``, each logit gains its head's slope times the distance in real tokens from
+  the query back to the key, negated (ALiBi)."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   batch, length, heads, dim = q.shape
   groups = heads // k.shape[2]
   allowed = _reference_allowed(mask, causal, window)
+  ranks = np.cumsum(mask, axis=1)
   out = np.zeros_like(q)
   for b in range(batch):
     for h in range(heads):
       logits = q[b, :, h] @ k[b, :, h // groups].T / np.sqrt(dim)
+      if alibi_slopes is not None:
+        logits -= alibi_slopes[h] * (ranks[b][:, None] - ranks[b][None, :])
       logits = np.where(allowed[b], logits, -np.inf)
       with np.errstate(invalid="ignore"):
         weights = np.exp(logits - logits.max(-1, keepdims=True))
@@ -282,6 +287,30 @@ def test_packed_attention_matches_per_sequence_attention(seed, kind, causal, win
   want = _reference_attention(q, k, v, mask, causal, window).reshape(-1, 4, 8)[real]
   np.testing.assert_allclose(got[0, :n], want, rtol=1e-5, atol=1e-5)
   assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("method", ["mask", "rows"])
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_alibi_counts_each_sequences_real_tokens(kind, method):
+  """ALiBi (Bloom's bias: minus a head's slope times the distance in real tokens, holes
+  not counted) over the packed sequence and in rows, against float64 per sequence; slopes of
+  the wrong number of heads are refused."""
+  rng = np.random.default_rng(420)
+  mask = _random_mask(rng, 3, 9, kind)
+  n = int(mask.sum())
+  capacity = n + 3
+  layout = pack_layout(mask, capacity)
+  (q, k, v), packed, real = _packed_qkv(rng, mask, capacity)
+  slopes = (0.5, 0.25, 0.125, 1.5)
+  attend = jax.jit(lambda *qkv: packed_attention(*qkv, layout, causal=True,
+                                                 alibi_slopes=slopes, implementation="xla",
+                                                 method=method))
+  want = _reference_attention(q, k, v, mask, True, None, slopes).reshape(-1, 4, 8)[real]
+  np.testing.assert_allclose(attend(*packed)[0, :n], want, rtol=1e-5, atol=1e-5)
+  without = _reference_attention(q, k, v, mask, True, None).reshape(-1, 4, 8)[real]
+  assert np.max(np.abs(without - want)) > 1e-2
+  with pytest.raises(ValueError, match=r"alibi_slopes must hold one slope per query head \(4\)"):
+    packed_attention(*packed, layout, causal=True, alibi_slopes=slopes[:2], method=method)
 
 
 @pytest.mark.parametrize("window", [3, 9])
@@ -537,10 +566,13 @@ def test_fused_attention_needs_an_even_length():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention runs on GPUs")
+@pytest.mark.parametrize("method, alibi_slopes", [
+    ("mask", None), ("mask", (0.5, 0.25, 0.125, 0.0625)), ("rows", (0.5, 0.25, 0.125, 0.0625))])
 @pytest.mark.parametrize("capacity", [21, 22, 96])
-def test_packed_attention_on_gpu_matches_float32_xla(capacity):
-  """bf16, head size 64, grouped-query, causal: the fused path (or XLA for an odd capacity)
-  and its gradients against float32 XLA, at the real tokens."""
+def test_packed_attention_on_gpu_matches_float32_xla(capacity, method, alibi_slopes):
+  """bf16, head size 64, grouped-query, causal, with ALiBi or not: the fused path (or XLA
+  for an odd capacity), over the packed sequence or in rows, and its gradients against
+  float32 XLA, at the real tokens."""
   rng = np.random.default_rng(capacity)
   mask = np.zeros((3, 12), np.int32)
   for row, length in enumerate((7, 12, 1)):
@@ -552,6 +584,7 @@ def test_packed_attention_on_gpu_matches_float32_xla(capacity):
 
   def run(dtype, implementation):
     attend = lambda q, k, v: packed_attention(q, k, v, layout, causal=True,
+                                              alibi_slopes=alibi_slopes, method=method,
                                               implementation=implementation)
     args = tuple(a.astype(dtype) for a in (q, k, v))
     out, vjp = jax.vjp(attend, *args)

@@ -818,6 +818,46 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
 
 
+@pytest.mark.parametrize("adapter", ["lora", "quantized"])
+def test_fsdp_loss_computes_an_adapted_head_split_by_its_vocabulary_as_the_head_does(adapter):
+  """qwix's LoRA or quantization-aware training on an LM head split by its vocabulary: the
+  loss reads the head's own logits (its kernel gathered), not each device's columns of the
+  kernel alone, which would leave the adapter or the quantization out. Loss and gradient are
+  one device's, the adapter's too."""
+  qwix = pytest.importorskip("qwix")
+
+  class TinyLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return nn.Dense(64, name="lm_head")(jnp.tanh(nn.Embed(64, 8)(ids)))
+
+  net = (qwix.apply_lora_to_model(TinyLM(), qwix.LoraProvider(module_path="lm_head", rank=2,
+                                                               alpha=2.0))
+         if adapter == "lora" else qwix.quantize_model(TinyLM(), qwix.QtProvider(
+             [qwix.QtRule(module_path="lm_head", weight_qtype="int4")])))
+  rng = np.random.default_rng(6)
+  mask = (np.arange(6)[None] < rng.integers(2, 7, size=(8, 1))).astype(np.int32)
+  ids = jnp.asarray(rng.integers(0, 64, size=(8, 6)) * mask, jnp.int32)
+  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                        net.init(jax.random.key(0), ids)["params"])
+
+  def loss(params, batch):
+    ids, mask = batch
+    return masked_causal_lm_loss(net.apply({"params": params}, ids), ids, mask)
+
+  mesh = _mesh(AxisType.Auto)
+  specs = jax.tree.map(lambda a: P(), params)
+  specs["lm_head"]["kernel"] = P(None, "data")
+  step = jax.jit(jax.value_and_grad(fsdp_loss(
+      loss, mesh, specs, weight_fn=lambda batch: causal_lm_target_count(batch[1]))))
+  got = step(jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)),
+                          params, specs),
+             jax.device_put((ids, mask), NamedSharding(mesh, P("data"))))
+  want = jax.value_and_grad(loss)(params, (ids, mask))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  assert_every_gradient_close(got[1], want[1], rtol=1e-5)
+
+
 def test_fsdp_loss_refuses_a_token_mean_weighed_by_rows():
   """`masked_causal_lm_loss` in `fsdp_loss` without `weight_fn`: each device would weigh by
   its rows while averaging over its targets, which devices hold unequally here, a loss and
