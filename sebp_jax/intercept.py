@@ -121,7 +121,7 @@ class use_sebp(SEBPContext):
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
       (BERT and its copies, DistilBERT, ALBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
-      GPT-Neo, GPT-J, OPT, Bloom; embeddings and final norm included)
+      GPT-Neo, GPT-J, OPT, XGLM, Bloom; embeddings and final norm included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads

@@ -194,11 +194,13 @@ def gptj_attention(module: nn.Module, attention_core: AttentionCore, arguments: 
   return (module.resid_dropout(out, deterministic=arguments["deterministic"]),)
 
 
-def opt_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict) -> tuple:
-  """``FlaxOPTAttention`` with ``attention_core``: causal self-attention (the positions are
+def bart_style_decoder_attention(module: nn.Module, attention_core: AttentionCore,
+                                 arguments: dict) -> tuple:
+  """transformers' BART-style attention of a decoder (``FlaxOPTAttention``,
+  ``FlaxXGLMAttention``) with ``attention_core``: causal self-attention (the positions are
   the embeddings', outside it); no attention weights (``None`` in their place)."""
   if arguments.get("key_value_states") is not None or not module.causal:
-    _refuse("OPT", "cross-attention or attention that is not causal")
+    _refuse("a BART-style decoder", "cross-attention or attention that is not causal")
   _refuse_cache(module, arguments)
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(projection(hidden), module.num_heads)
@@ -292,7 +294,9 @@ FAMILIES = (
     PackedFamily("GPT-J decoder", ("FlaxGPTJModule",), "input_ids", ("FlaxGPTJAttention",),
                  gptj_attention),
     PackedFamily("OPT decoder", ("FlaxOPTModule",), "input_ids", ("FlaxOPTAttention",),
-                 opt_attention),
+                 bart_style_decoder_attention),
+    PackedFamily("XGLM decoder", ("FlaxXGLMModule",), "input_ids", ("FlaxXGLMAttention",),
+                 bart_style_decoder_attention),
     PackedFamily("Bloom decoder", ("FlaxBloomModule",), "input_ids", ("FlaxBloomAttention",),
                  bloom_attention),
 )

@@ -1,6 +1,6 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT and Bloom: the loss and every parameter's
-gradient equal dense `jax.grad` of the unmodified model.
+ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT, XGLM and Bloom: the loss and every
+parameter's gradient equal dense `jax.grad` of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
 for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
@@ -22,9 +22,9 @@ from transformers import (BertConfig, BloomConfig, FlaxBertForSequenceClassifica
                           FlaxGemmaForCausalLM,
                           FlaxGPT2LMHeadModel, FlaxGPTJForCausalLM, FlaxGPTNeoForCausalLM,
                           FlaxLlamaForCausalLM, FlaxMistralForCausalLM, FlaxOPTForCausalLM,
-                          FlaxRobertaForSequenceClassification, GemmaConfig, GPT2Config,
-                          GPTJConfig, GPTNeoConfig, LlamaConfig, MistralConfig, OPTConfig,
-                          RobertaConfig)
+                          FlaxRobertaForSequenceClassification, FlaxXGLMForCausalLM,
+                          GemmaConfig, GPT2Config, GPTJConfig, GPTNeoConfig, LlamaConfig,
+                          MistralConfig, OPTConfig, RobertaConfig, XGLMConfig)
 
 from sebp_jax import losses, token_capacity, use_sebp
 from sebp_jax.losses import masked_causal_lm_loss
@@ -692,6 +692,10 @@ def _tied_decoder(name):
     return FlaxOPTForCausalLM(OPTConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
         num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=8), seed=11)
+  if name == "XGLM":  # Sinusoidal positions at an offset, embeddings scaled.
+    return FlaxXGLMForCausalLM(XGLMConfig(
+        vocab_size=VOCAB, max_position_embeddings=32, d_model=16, ffn_dim=32, num_layers=2,
+        attention_heads=2), seed=13)
   if name == "Bloom":  # ALiBi; weights large enough that its bias moves the gradient.
     return FlaxBloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
                                             n_head=4, initializer_range=0.2), seed=12)
@@ -705,15 +709,15 @@ def _tied_decoder(name):
 
 @pytest.mark.parametrize("name, attention", [
     ("GPT-2", "mask"), ("GPT-2", "rows"), ("Gemma", "rows"), ("GPT-Neo", "mask"),
-    ("GPT-J", "rows"), ("OPT", "mask"), ("Bloom", "mask"), ("Bloom", "rows")])
+    ("GPT-J", "rows"), ("OPT", "mask"), ("XGLM", "rows"), ("Bloom", "mask"), ("Bloom", "rows")])
 def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   """GPT-2 (learned positions, its fused q/k/v projection in transformers' FlaxConv1D),
   Gemma (grouped-query, a head size of its own), GPT-Neo (unscaled queries, a local layer's
   window), GPT-J (partial rotary embeddings), OPT (learned positions at an offset, its
-  projections in and out) and Bloom (ALiBi over each row's real tokens): their LM heads,
-  tied to the token embeddings (a Dense applied through .apply, with no path of its own: its
-  name, lm_head, in the report and for exclude) but GPT-J's, run on the packed rows too, the
-  loss over masked_causal_lm_loss(capacity=C)."""
+  projections in and out), XGLM (sinusoidal positions at an offset) and Bloom (ALiBi over
+  each row's real tokens): their LM heads, tied to the token embeddings (a Dense applied
+  through .apply, with no path of its own: its name, lm_head, in the report and for exclude)
+  but GPT-J's, run on the packed rows too, the loss over masked_causal_lm_loss(capacity=C)."""
   model = _tied_decoder(name)
   rng = np.random.default_rng(38)
   capacity = BATCH * LENGTH - 6
