@@ -37,8 +37,6 @@ types carry no sharding, and ``use_sebp(batch_axes=...)`` says which axes split 
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
@@ -426,13 +424,15 @@ def _unboxed(tree: Any) -> Any:
 
 
 # Set while fsdp_loss runs a loss_fn whose devices weigh by their rows (weight_fn=None).
-_devices_weighed_by_rows = contextvars.ContextVar("devices_weighed_by_rows", default=False)
+# Part of jax.jit's cache key: a function jitted inside fsdp_loss with a weight_fn is traced
+# again, and checked, inside one without.
+_devices_weighed_by_rows = jax.make_user_context(False)
 
 
 def check_devices_weighed_alike(loss: str, count_fn: str) -> None:
   """Raise where ``loss``, a mean over a count other than the rows, runs in :func:`fsdp_loss`
   without a ``weight_fn``: each device would weigh by its rows, not by what it averages."""
-  if _devices_weighed_by_rows.get():
+  if _devices_weighed_by_rows.value:
     raise ValueError(
         f"{loss} averages over its target tokens, which devices hold unequally, but "
         f"fsdp_loss was given no weight_fn and weighs each device by its rows: the loss and "
@@ -532,20 +532,12 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     share = weight / jnp.where(total == 0, 1.0, total)
     with (nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
                                                    lookups_in_place)),
-          _weighed_by_rows(weight_fn is None)):
+          _devices_weighed_by_rows(weight_fn is None)):
       loss = loss_fn(_unboxed(params_tree.unflatten(whole)), batch)
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())
 
-
-@contextlib.contextmanager
-def _weighed_by_rows(by_rows: bool):
-  token = _devices_weighed_by_rows.set(by_rows)
-  try:
-    yield
-  finally:
-    _devices_weighed_by_rows.reset(token)
 
 
 def fsdp_specs(params: Any, mesh: Any, *, axis: str = "data",

@@ -863,7 +863,8 @@ def test_fsdp_loss_refuses_a_token_mean_weighed_by_rows():
   its rows while averaging over its targets, which devices hold unequally here, a loss and
   gradient that are not the whole batch's. It raises, naming `weight_fn`; a `weight_fn` that
   counts rows on purpose gets the mean of the devices' means, and the targets' count one
-  device's loss."""
+  device's loss. A jitted loss traced first in an fsdp_loss with a weight_fn raises too in
+  one without (not reused from jit's cache)."""
   net = nn.Sequential([nn.Embed(32, 4), nn.Dense(32)])
   rng = np.random.default_rng(11)
   lengths = np.array([6, 6, 2, 2, 6, 1, 3, 6])  # Each device's 2 rows: 10, 3, 6, 8 targets.
@@ -884,6 +885,10 @@ def test_fsdp_loss_refuses_a_token_mean_weighed_by_rows():
   np.testing.assert_allclose(by_rows(params, batch), np.mean(device_means), rtol=1e-6)
   np.testing.assert_allclose(by_targets(params, batch), loss(params, (ids, mask)), rtol=1e-6)
   assert abs(np.mean(device_means) - loss(params, (ids, mask))) > 1e-3
+  jitted = jax.jit(loss)
+  jax.jit(fsdp_loss(jitted, mesh, specs, weight_fn=lambda batch: len(batch[0])))(params, batch)
+  with pytest.raises(ValueError, match="no weight_fn"):
+    jax.jit(fsdp_loss(jitted, mesh, specs))(params, batch)
 
 
 def test_fsdp_loss_takes_params_boxed_by_with_partitioning():
