@@ -35,7 +35,7 @@ from sebp_jax.layers import (SEBPDense, SEBPEmbed, linear_head, module_path, res
                              sebp_conv1d_call, sebp_dense_call, sebp_embed_call)
 from sebp_jax.ops import validate_top_n
 from sebp_jax.outputs import remember_packed, unread_parameters_reason
-from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_first_tokens,
+from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_column_tokens,
                               gather_tokens, pack_layout, packed_attention, scatter_tokens,
                               token_capacity)
 from sebp_jax.report import RowLog
@@ -120,8 +120,9 @@ class use_sebp(SEBPContext):
       gradient is a scatter of the kept rows of dY only (:func:`sebp_jax.sebp_embed_lookup`), same
       ``top_n``, index and exactness as the Dense layers. ``exclude`` applies to them too.
     packed: run the model on the real tokens of ``active_mask`` only (needs it): the encoder
-      (BERT and its copies, DistilBERT, ALBERT) or decoder stack (Llama, Mistral, Gemma, GPT-2,
-      GPT-Neo, GPT-J, OPT, XGLM, Bloom; embeddings and final norm included)
+      (BERT and its copies, DistilBERT, ALBERT, RoFormer's layers) or decoder stack (Llama,
+      Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT, XGLM, Bloom; embeddings and final norm
+      included)
       gathers them once into one sequence of ``top_n`` slots, attends per sequence (causal
       for decoders, each token at its own position; see ``attention``) and scatters its
       outputs back, so they keep their shapes, with zeros at padding. Language-model heads
@@ -130,9 +131,9 @@ class use_sebp(SEBPContext):
       embeddings, poolers, heads) keep what the other options say. Exact under the
       conditions of the shared index: the outputs are read at real tokens only. Any mask
       layout works (left padding,
-      holes), but a head that reads each row's first column (BERT's pooler, DistilBERT's
-      classifiers) needs a real
-      token there (:func:`sebp_jax.packing.checked_first_tokens`). A batch with more real
+      holes), but a head that reads one column of each row (BERT's pooler, DistilBERT's
+      classifiers: the first; RoFormer's multiple choice: the last) needs a real token there
+      (:func:`sebp_jax.packing.checked_column_tokens`). A batch with more real
       tokens than ``top_n`` is never cut: a concrete mask raises at once, and under ``jit``
       the packed outputs are NaN. Pick ``top_n`` on the
       host with :func:`sebp_jax.token_capacity` and pass it to the jitted step as a static
@@ -324,7 +325,7 @@ class use_sebp(SEBPContext):
     if (self._packed_family is not None
         and model_families.reads_first_tokens(self._packed_family, module)):
       bound = model_families.bind_arguments(module, args, kwargs)
-      bound.arguments["hidden_states"] = self._checked_first_tokens(
+      bound.arguments["hidden_states"] = self._checked_column_tokens(
           bound.arguments["hidden_states"], type(module).__name__)
       return model_families.call_bound(next_fun, bound)
     path = module_path(module)
@@ -353,9 +354,10 @@ class use_sebp(SEBPContext):
                                head)
     return _NOT_PACKED
 
-  def _checked_first_tokens(self, hidden: jax.Array, reader: str) -> jax.Array:
+  def _checked_column_tokens(self, hidden: jax.Array, reader: str,
+                             column: int = 0) -> jax.Array:
     host_mask = None if isinstance(self.active_mask, jax.core.Tracer) else self.active_mask
-    return checked_first_tokens(hidden, self._layout, host_mask, reader)
+    return checked_column_tokens(hidden, self._layout, host_mask, reader, column)
 
   def _packed_lookup(self, module: nn.Embed, args, kwargs) -> jax.Array:
     """A region's lookup of the packed tokens, split over devices: every slot kept, so that
@@ -369,21 +371,21 @@ class use_sebp(SEBPContext):
                                 batch_axes=shards.axes, mesh=shards.mesh)
     return jnp.reshape(looked_up, (*jnp.shape(ids), looked_up.shape[-1]))
 
-  def _first_column_checked(self, module: nn.Module, args, kwargs) -> tuple[tuple, dict]:
-    """The call's arguments, the input checked (:func:`checked_first_tokens`) where ``module``
-    is a layer that its model's own code gives each row's first column of a packed region's
-    outputs (a family's ``first_token_layers``)."""
+  def _column_checked(self, module: nn.Module, args, kwargs) -> tuple[tuple, dict]:
+    """The call's arguments, the input checked (:func:`checked_column_tokens`) where
+    ``module`` is a layer that its model's own code gives one column of each row of a packed
+    region's outputs (a family's ``column_layers``)."""
     reader = (None if self._packed_family is None
-              else model_families.first_token_layer(self._packed_family, module))
+              else model_families.column_layer(self._packed_family, module))
     if reader is None:
       return args, kwargs
     (inputs,) = args or (kwargs["inputs"],)
-    return (self._checked_first_tokens(inputs, reader),), {}
+    return (self._checked_column_tokens(inputs, *reader),), {}
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     if self._layout is not None:
       if context.method_name == "__call__":
-        args, kwargs = self._first_column_checked(context.module, args, kwargs)
+        args, kwargs = self._column_checked(context.module, args, kwargs)
       out = self._intercept_packed(next_fun, args, kwargs, context)
       if out is not _NOT_PACKED:
         return out

@@ -70,14 +70,39 @@ def bert_self_attention(module: nn.Module, attention_core: AttentionCore,
                         arguments: dict) -> tuple:
   """A BERT-style self-attention (``FlaxBertSelfAttention`` and its copies) with
   ``attention_core``."""
-  config = module.config
   if arguments.get("key_value_states") is not None or module.causal:
     _refuse("a BERT-style model", "cross-attention or causal (decoder) attention")
   if arguments.get("init_cache"):
     _refuse("a BERT-style model", "a decoding cache (init_cache)")
+  return _encoder_self_attention(module, attention_core, arguments)
+
+
+def roformer_self_attention(module: nn.Module, attention_core: AttentionCore,
+                            arguments: dict) -> tuple:
+  """``FlaxRoFormerSelfAttention`` with ``attention_core``: its rotary embeddings (on values
+  too with ``rotary_value``) at each token's sinusoidal position, then as BERT's."""
+  positions = arguments["sinusoidal_pos"]
+  if positions is None:
+    return _encoder_self_attention(module, attention_core, arguments)
+
+  def rotate(query, key, value):
+    if module.rotary_value:
+      return module.apply_rotary_position_embeddings(positions, query, key, value)
+    return (*module.apply_rotary_position_embeddings(positions, query, key), value)
+
+  return _encoder_self_attention(module, attention_core, arguments, rotate)
+
+
+def _encoder_self_attention(module: nn.Module, attention_core: AttentionCore, arguments: dict,
+                            rotate: Callable | None = None) -> tuple:
+  """An encoder's self-attention: its query, key and value projections (``rotate``d where
+  given), ``attention_core`` and the layer's head mask."""
+  config = module.config
   hidden = arguments["hidden_states"]
   query, key, value = (_heads(projection(hidden), config.num_attention_heads)
                        for projection in (module.query, module.key, module.value))
+  if rotate is not None:
+    query, key, value = rotate(query, key, value)
   out = _attend(module, attention_core, arguments, query, key, value,
                 dropout_rate=config.attention_probs_dropout_prob, causal=False)
   head_mask = arguments.get("layer_head_mask")
@@ -252,9 +277,12 @@ class PackedFamily:
       module's call: its own projections (and rotary embeddings) around ``attention_core``.
     first_token_heads: class names of the heads that read the region's outputs at each row's
       first column (BERT's [CLS]), their argument ``hidden_states``.
-    first_token_layers: ``"<model class>.<layer name>"`` of the layers that a model's own
-      code gives each row's first column of the region's outputs (DistilBERT's
-      pre-classifier, ALBERT's pooler): their input is checked as a first-token head's is.
+    column_layers: ``("<model class>.<layer name>", column)`` of the layers that a model's own
+      code gives one column of each row of the region's outputs (DistilBERT's
+      pre-classifier and ALBERT's pooler the first, 0; RoFormer's multiple choice the last,
+      -1): their input is checked as a first-token head's is, at that column.
+    column_arguments: the region's arguments indexed by column (``[L, ...]``: RoFormer's
+      sinusoidal positions), taken at each packed token's column.
   """
   name: str
   regions: tuple[str, ...]
@@ -262,7 +290,8 @@ class PackedFamily:
   attention_classes: tuple[str, ...]
   attend: Callable[[nn.Module, AttentionCore, dict], Any]
   first_token_heads: tuple[str, ...] = ()
-  first_token_layers: tuple[str, ...] = ()
+  column_layers: tuple[tuple[str, int], ...] = ()
+  column_arguments: tuple[str, ...] = ()
 
 
 _BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
@@ -277,12 +306,18 @@ FAMILIES = (
                        for head in ("Pooler", "ClassificationHead", "SequenceSummary"))),
     PackedFamily("DistilBERT encoder", ("FlaxTransformer",), "hidden_states",
                  ("FlaxMultiHeadSelfAttention",), distilbert_attention,
-                 first_token_layers=(
-                     "FlaxDistilBertForSequenceClassificationModule.pre_classifier",
-                     "FlaxDistilBertForMultipleChoiceModule.pre_classifier")),
+                 column_layers=(
+                     ("FlaxDistilBertForSequenceClassificationModule.pre_classifier", 0),
+                     ("FlaxDistilBertForMultipleChoiceModule.pre_classifier", 0))),
     PackedFamily("ALBERT encoder", ("FlaxAlbertEncoder",), "hidden_states",
                  ("FlaxAlbertSelfAttention",), albert_attention,
-                 first_token_layers=("FlaxAlbertModule.pooler",)),
+                 column_layers=(("FlaxAlbertModule.pooler", 0),)),
+    # Its encoder slices its sinusoidal positions by column: the layers run packed, below it.
+    PackedFamily("RoFormer encoder", ("FlaxRoFormerLayerCollection",), "hidden_states",
+                 ("FlaxRoFormerSelfAttention",), roformer_self_attention,
+                 ("FlaxRoFormerClassificationHead",),
+                 column_layers=(("FlaxRoFormerForMultipleChoiceModule.classifier", -1),),
+                 column_arguments=("sinusoidal_pos",)),
     PackedFamily("Llama/Mistral/Gemma decoder",
                  ("FlaxLlamaModule", "FlaxMistralModule", "FlaxGemmaModule"), "input_ids",
                  ("FlaxLlamaAttention", "FlaxMistralAttention", "FlaxGemmaAttention"),
@@ -429,15 +464,15 @@ def reads_first_tokens(family: PackedFamily, module: nn.Module) -> bool:
   return _from_transformers(module) and type(module).__name__ in family.first_token_heads
 
 
-def first_token_layer(family: PackedFamily, module: nn.Module) -> str | None:
-  """``"<model class>.<layer name>"`` where ``module`` is one of ``family``'s
-  ``first_token_layers``, which its model's own code gives each row's first column; else
-  None."""
+def column_layer(family: PackedFamily, module: nn.Module) -> tuple[str, int] | None:
+  """``("<model class>.<layer name>", column)`` where ``module`` is one of ``family``'s
+  ``column_layers``, which its model's own code gives one column of each row; else None."""
   parent = module.parent
   if not (isinstance(parent, nn.Module) and _from_transformers(parent)):
     return None
   name = f"{type(parent).__name__}.{module.name}"
-  return name if name in family.first_token_layers else None
+  return next(((name, column) for layer, column in family.column_layers if layer == name),
+              None)
 
 
 def attention_family(module: nn.Module) -> PackedFamily | None:
@@ -487,6 +522,10 @@ def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
   if arguments.get("position_ids") is not None:
     positions = jnp.broadcast_to(arguments["position_ids"], layout.batch_shape)
     arguments["position_ids"] = gather_tokens(positions, layout)
+  for name in family.column_arguments:
+    if arguments.get(name) is not None:
+      # Filler slots' columns may pass the padded length: clipped, never read.
+      arguments[name] = jnp.take(arguments[name], layout.columns, axis=0, mode="clip")
   if "attention_mask" in arguments:
     arguments["attention_mask"] = jnp.ones((1, layout.capacity), jnp.int32)
   return unpack_outputs(call_bound(next_fun, bound), layout)

@@ -1,6 +1,6 @@
 """`use_sebp(packed=True)` end to end on transformers' Flax BERT (and its copies), DistilBERT,
-ALBERT, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT, XGLM and Bloom: the loss and every
-parameter's gradient equal dense `jax.grad` of the unmodified model.
+ALBERT, RoFormer, Llama, Mistral, Gemma, GPT-2, GPT-Neo, GPT-J, OPT, XGLM and Bloom: the loss
+and every parameter's gradient equal dense `jax.grad` of the unmodified model.
 
 The losses read real positions only: [CLS] (position 0, always real) for the classifiers;
 for the decoders the next-token loss of `masked_causal_lm_loss`, counted where a real token
@@ -470,14 +470,15 @@ def test_roberta_packed_gradients_equal_dense(tiny_roberta):
   assert reports[0].packed == ["roberta/encoder"] and reports[0].capacity == capacity
 
 
-@pytest.mark.parametrize("family", ["XLMRoberta", "RobertaPreLayerNorm", "Electra"])
+@pytest.mark.parametrize("family", ["XLMRoberta", "RobertaPreLayerNorm", "Electra", "RoFormer"])
 def test_transformers_copies_of_bert_pack(family):
   """XLM-RoBERTa, RoBERTa-PreLayerNorm (its last norm after the encoder) and ELECTRA copy
-  BERT's encoder: packed, their gradients are the dense ones; their heads that read the first
-  column refuse a mask with padding there."""
+  BERT's encoder, RoFormer's is BERT's with rotary embeddings: packed, their gradients are the
+  dense ones; their heads that read the first column refuse a mask with padding there."""
   import transformers
   config = _encoder_config(getattr(transformers, f"{family}Config"), pad_token_id=1,
-                           **({"embedding_size": 8} if family == "Electra" else {}))
+                           **({"embedding_size": 8} if family == "Electra" else
+                              {"embedding_size": 16} if family == "RoFormer" else {}))
   model = getattr(transformers, f"Flax{family}ForSequenceClassification")(config, seed=4)
   rng = np.random.default_rng(15)
   mask = _mask(rng, "right")
@@ -487,7 +488,7 @@ def test_transformers_copies_of_bert_pack(family):
   assert_matches_dense(packed(model.params, *batch), dense_grad(classifier_loss, model)(
       model.params, *batch))
   (packed_region,) = reports[0].packed
-  assert packed_region.endswith("/encoder")
+  assert packed_region.endswith("/encoder" if family != "RoFormer" else "/encoder/layer")
   ids, _, labels, head_mask = batch
   with pytest.raises(ValueError, match=f"Flax{family}ClassificationHead reads the first column"):
     jax.eval_shape(lambda p: classifier_loss(model, int(mask.sum()), [])(
@@ -611,6 +612,62 @@ def test_albert_packs_and_its_pooler_refuses_padding_in_the_first_column():
   grad = jax.jit(jax.value_and_grad(token_loss), static_argnums=3)
   assert_matches_dense(grad(bare.params, batch[0], left, True),
                        grad(bare.params, batch[0], left, False))
+
+
+@pytest.mark.parametrize("rotary_value", [False, True])
+def test_roformer_packs_its_layers_with_positions_by_column(rotary_value):
+  """RoFormer's encoder slices its sinusoidal positions by column: its layers run packed,
+  each token rotated at its own column (its values too with rotary_value), the masked-LM
+  head on the packed rows; right and left padding and holes, exact."""
+  from transformers import FlaxRoFormerForMaskedLM, RoFormerConfig
+  model = FlaxRoFormerForMaskedLM(_encoder_config(
+      RoFormerConfig, embedding_size=16, rotary_value=rotary_value), seed=14)
+  rng = np.random.default_rng(45)
+  reports = []
+
+  def loss(params, ids, mask, labels, packed):
+    with _packing(BATCH * LENGTH - 4 if packed else None, mask, reports):
+      logits = model(ids, attention_mask=mask, params=params).logits
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(jnp.where(mask != 0, per_token, 0))
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=4)
+  for layout in ("right", "left", "holes"):
+    mask = _mask(rng, layout, max_tokens=BATCH * LENGTH - 4)
+    batch = (_ids(rng, mask), mask, rng.integers(3, VOCAB, mask.shape))
+    assert_matches_dense(grad(model.params, *batch, True), grad(model.params, *batch, False))
+  assert reports[0].packed == ["roformer/encoder/layer", "cls/predictions/transform/dense",
+                               "decoder"]
+
+
+def test_roformer_multiple_choice_reads_the_last_column():
+  """RoFormer's multiple-choice model reads each row's last column: left padding packs
+  exactly; right padding raises for a concrete mask and is NaN under jit."""
+  from transformers import FlaxRoFormerForMultipleChoice, RoFormerConfig
+  model = FlaxRoFormerForMultipleChoice(_encoder_config(RoFormerConfig, embedding_size=16),
+                                        seed=15)
+  rng = np.random.default_rng(46)
+  choices = 2
+  capacity = choices * BATCH * LENGTH - 6
+  right = _mask(rng, "right", max_tokens=capacity // choices)
+  right = np.concatenate([right, right[::-1]])  # [choices * B, L], a choice a block
+  left = right[:, ::-1].copy()
+  labels = rng.integers(0, choices, size=BATCH)
+
+  def loss(params, ids, mask, packed):
+    with _packing(capacity if packed else None, mask, []):
+      logits = model(ids.reshape(BATCH, choices, LENGTH),
+                     attention_mask=mask.reshape(BATCH, choices, LENGTH), params=params).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  grad = jax.jit(jax.value_and_grad(loss), static_argnums=3)
+  ids = _ids(rng, left)
+  assert_matches_dense(grad(model.params, ids, left, True), grad(model.params, ids, left, False))
+  ids = _ids(rng, right)
+  with pytest.raises(ValueError, match="FlaxRoFormerForMultipleChoiceModule.classifier reads "
+                                       "the last column .* Pad on the left"):
+    jax.eval_shape(functools.partial(loss, packed=True, mask=right), model.params, ids)
+  assert np.isnan(float(grad(model.params, ids, right, True)[0]))
 
 
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):

@@ -77,7 +77,7 @@ def _loss(model, kind, capacity=None, sebp=None):
                     **sebp) as report:
         out = model(ids, attention_mask=mask, params=params).logits
       assert report.packed
-    if kind == "llama":
+    if kind in ("llama", "bloom"):
       return masked_causal_lm_loss(out, ids, mask)
     return optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
   return loss
@@ -112,6 +112,30 @@ def test_each_shard_packs_its_rows_exactly_with_the_dense_collectives_but_the_ta
   assert_tables_cross_as_rows((collective_counts(packed), collective_bytes(packed)),
                               (collective_counts(dense), collective_bytes(dense)),
                               table_bytes=table.nbytes, scalar_bytes=4 * (kind == "llama"))
+
+
+@pytest.mark.parametrize("kind", ["roformer", "bloom"])
+def test_positions_by_column_and_alibi_pack_per_shard(kind):
+  """RoFormer (its rotary positions taken at each token's column) and Bloom (ALiBi over each
+  sequence's real tokens, left padding) packed per shard, holes in RoFormer's rows: one
+  device's loss and gradient."""
+  from transformers import (BloomConfig, FlaxBloomForCausalLM,
+                            FlaxRoFormerForSequenceClassification, RoFormerConfig)
+  model = (FlaxBloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=2,
+                                            n_head=2, initializer_range=0.2), seed=3)
+           if kind == "bloom" else FlaxRoFormerForSequenceClassification(RoFormerConfig(
+               vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=2,
+               num_attention_heads=2, intermediate_size=32, max_position_embeddings=32), seed=3))
+  ids, mask, labels = _batch(4, "left" if kind == "bloom" else "holes")
+  capacity = token_capacity(mask, multiple=8, num_shards=SHARDS)
+  want = jax.value_and_grad(_loss(model, kind))(model.params, ids, mask, labels)
+  mesh = _mesh()
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(model.params, P()), *(put(a, P("data")) for a in (ids, mask, labels)))
+  got = jax.jit(jax.value_and_grad(_loss(model, kind, capacity,
+                                         dict(batch_axes="data", mesh=mesh))))(*args)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  assert_every_gradient_close(got[1], want[1], rtol=2e-5)
 
 
 def test_packing_runs_with_one_process_per_pair_of_devices(models, tmp_path):
