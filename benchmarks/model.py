@@ -1,5 +1,5 @@
-"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, DistilBERT, Llama,
-GPT-2, GPT-Neo, OPT and Bloom (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``,
+"""Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, DistilBERT,
+RoFormer, Llama, GPT-2, GPT-Neo, OPT, XGLM and Bloom (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``,
 ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
@@ -159,6 +159,8 @@ SETUPS = {
                   "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
     "distilbert": Setup("distilbert-base (DistilBertConfig(), classification head)", 32, 512,
                         "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
+    "roformer": Setup("roformer-base shapes (RoFormerConfig(), classification head)", 32, 512,
+                      "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
     "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
                    has_lm_head=True),
     # Long context: WikiText-2 sections (mean about 500 tokens, a tail past 2,000), about
@@ -173,6 +175,8 @@ SETUPS = {
                      tied_lm_head=True),
     "opt": Setup("OPT-1.3B shapes (LM head tied to the embeddings)", 4, 1024,
                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
+    "xglm": Setup("XGLM-564M shapes (XGLMConfig(), LM head tied to the embeddings)", 8, 1024,
+                  "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
     "bloom": Setup("Bloom-560m shapes (ALiBi; LM head tied to the embeddings)", 8, 1024,
                    "wikitext2_valid_smollm2_bpe.json", has_lm_head=True, tied_lm_head=True),
     # Tied embeddings: the LM head is the embedding's decode, a plain matmul.
@@ -236,7 +240,9 @@ def build_model(kind: str, tiny: bool, dtype):
                             FlaxBertForSequenceClassification, FlaxBloomForCausalLM,
                             FlaxDistilBertForSequenceClassification, FlaxGPT2LMHeadModel,
                             FlaxGPTNeoForCausalLM, FlaxLlamaForCausalLM, FlaxOPTForCausalLM,
-                            GPT2Config, GPTNeoConfig, LlamaConfig, OPTConfig)
+                            FlaxRoFormerForSequenceClassification, FlaxXGLMForCausalLM,
+                            GPT2Config, GPTNeoConfig, LlamaConfig, OPTConfig, RoFormerConfig,
+                            XGLMConfig)
   if SETUPS[kind].nnx:
     return build_nnx_llama(tiny, SETUPS[kind].param_dtype)
   if kind == "distilbert":
@@ -262,6 +268,16 @@ def build_model(kind: str, tiny: bool, dtype):
                                      num_attention_heads=32, word_embed_proj_dim=2048,
                                      max_position_embeddings=2048))
     return FlaxOPTForCausalLM(config, seed=0, dtype=dtype)
+  if kind == "roformer":
+    config = (RoFormerConfig(num_labels=2, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=128)
+              if tiny else RoFormerConfig(num_labels=2))
+    return FlaxRoFormerForSequenceClassification(config, seed=0, dtype=dtype)
+  if kind == "xglm":
+    config = (XGLMConfig(vocab_size=1000, max_position_embeddings=128, d_model=64, ffn_dim=128,
+                         num_layers=2, attention_heads=4)
+              if tiny else XGLMConfig())
+    return FlaxXGLMForCausalLM(config, seed=0, dtype=dtype)
   if kind == "bloom":
     config = (BloomConfig(vocab_size=1000, hidden_size=64, n_layer=2, n_head=4)
               if tiny else BloomConfig(vocab_size=250880, hidden_size=1024, n_layer=24,
