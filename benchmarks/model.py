@@ -1,6 +1,6 @@
 """Model-level benchmark: dense vs SEBP in unmodified transformers Flax BERT, DistilBERT,
-RoFormer, Llama, GPT-2, GPT-Neo, OPT, XGLM and Bloom (Linen), and in Tunix's NNX Llama 3 (``--model llama_nnx``,
-``sebp_jax.nnx.use_sebp``).
+RoFormer, Llama, GPT-2, GPT-Neo, OPT, XGLM and Bloom (Linen), and in Tunix's NNX Llama 3
+(``--model llama_nnx``, ``sebp_jax.nnx.use_sebp``).
 
 Random weights at real shapes, real sequence lengths (``benchmarks/lengths/``: the token counts
 of SST-2 dev and WikiText-2 valid, as carried in ``data/``), bf16 compute. Side by side in one

@@ -86,9 +86,12 @@ def roformer_self_attention(module: nn.Module, attention_core: AttentionCore,
     return _encoder_self_attention(module, attention_core, arguments)
 
   def rotate(query, key, value):
-    if module.rotary_value:
-      return module.apply_rotary_position_embeddings(positions, query, key, value)
-    return (*module.apply_rotary_position_embeddings(positions, query, key), value)
+    rotated = module.apply_rotary_position_embeddings(
+        positions, query, key, value if module.rotary_value else None)
+    if not module.rotary_value:
+      rotated = (*rotated, value)
+    # The table is float32: the model's attention computes in its own dtype all the same.
+    return tuple(x.astype(module.dtype) for x in rotated)
 
   return _encoder_self_attention(module, attention_core, arguments, rotate)
 
@@ -283,6 +286,8 @@ class PackedFamily:
       -1): their input is checked as a first-token head's is, at that column.
     column_arguments: the region's arguments indexed by column (``[L, ...]``: RoFormer's
       sinusoidal positions), taken at each packed token's column.
+    binary_mask: the model reads its attention mask's values, not only where they are 0
+      (Bloom's ALiBi sums them): a mask must hold 0 and 1 only.
   """
   name: str
   regions: tuple[str, ...]
@@ -292,6 +297,7 @@ class PackedFamily:
   first_token_heads: tuple[str, ...] = ()
   column_layers: tuple[tuple[str, int], ...] = ()
   column_arguments: tuple[str, ...] = ()
+  binary_mask: bool = False
 
 
 _BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
@@ -333,7 +339,7 @@ FAMILIES = (
     PackedFamily("XGLM decoder", ("FlaxXGLMModule",), "input_ids", ("FlaxXGLMAttention",),
                  bart_style_decoder_attention),
     PackedFamily("Bloom decoder", ("FlaxBloomModule",), "input_ids", ("FlaxBloomAttention",),
-                 bloom_attention),
+                 bloom_attention, binary_mask=True),
 )
 #: The packed regions by family, for messages: "DistilBERT encoder: FlaxTransformer; ...".
 SUPPORTED = "; ".join(f"{family.name}: {', '.join(family.regions)}" for family in FAMILIES)
@@ -515,7 +521,7 @@ def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
   if given is None and "attention_mask" in arguments:
     # Called without a mask, the model attends over every token, padding included.
     given = np.ones(layout.batch_shape, np.int32)
-  layout = checked_against(layout, given)
+  layout = checked_against(layout, given, binary=family.binary_mask)
   tokens = arguments[family.tokens_argument]
   arguments[family.tokens_argument] = gather_tokens(
       tokens, layout, filler="token" if jnp.issubdtype(tokens.dtype, jnp.integer) else "zero")

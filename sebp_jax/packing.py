@@ -346,11 +346,12 @@ def map_shards(fn: Callable, layout: PackedLayout, arrays: tuple, splits: tuple[
                        axis_names=frozenset(axes), check_vma=False)(leaves, *arrays)
 
 
-def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
+def checked_against(layout: PackedLayout, attention_mask, binary: bool = False) -> PackedLayout:
   """``layout``, for a model called with ``attention_mask``: packing attends over the real
   tokens of the layout's mask, so another mask (a loss mask given as ``active_mask``, a second
-  batch in one context) would change the model. A concrete mismatch raises; a traced one
-  makes the packed outputs NaN."""
+  batch in one context) would change the model; with ``binary``, for a model that reads the
+  mask's values (Bloom's ALiBi counts them), so would values other than 0 and 1. A concrete
+  mismatch raises; a traced one makes the packed outputs NaN."""
   if attention_mask is None:
     return layout
   if jnp.shape(attention_mask) != layout.batch_shape:
@@ -358,12 +359,21 @@ def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
                      f"use_sebp's active_mask {layout.batch_shape}: packing needs the same mask")
   concrete = not any(isinstance(a, jax.core.Tracer) for a in (attention_mask, layout.mask))
   if concrete:
-    if np.any((np.asarray(attention_mask) != 0) != np.asarray(layout.mask)):
+    given = np.asarray(attention_mask)
+    if np.any((given != 0) != np.asarray(layout.mask)):
       raise ValueError("the model's attention_mask (all ones where it is given none) differs "
                        "from use_sebp's active_mask: packing attends over the tokens of "
                        "active_mask, so pass the model's attention mask as active_mask")
+    if binary and np.any((given != 0) & (given != 1)):
+      raise ValueError("the model counts its attention_mask's values (Bloom's ALiBi: a key's "
+                       "position is the sum of the mask before it), and packing counts real "
+                       "tokens: pass a mask of 0 and 1")
     return layout
-  differs = lambda block, given: block.invalid | jnp.any((given != 0) != block.mask)
+
+  def differs(block, given):
+    other_values = jnp.any((given != 0) & (given != 1)) if binary else False
+    return block.invalid | jnp.any((given != 0) != block.mask) | other_values
+
   if layout.shards is None:
     return layout.replace(invalid=differs(layout, jnp.asarray(attention_mask)))
   invalid = map_shards(lambda block, given: differs(block, given)[None], layout,

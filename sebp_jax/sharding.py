@@ -385,7 +385,7 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
       return split_table_lookup(shard, inputs, axis, module.num_embeddings)
     if _plain(module, nn.Dense) and module.has_variable("params", "kernel"):
       kernel, dimension = shards.get(id(module.get_variable("params", "kernel")), (None, None))
-      if dimension != 1 or linear_head_reason(module) is not None:
+      if dimension != 1:
         return next_fun(*args, **kwargs)
       bias = None
       if module.use_bias:
@@ -395,6 +395,9 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
           bias = jax.lax.dynamic_slice_in_dim(
               bias, jax.lax.axis_index(axis) * kernel.shape[1], kernel.shape[1])
       outputs = next_fun(*args, **kwargs)
+      # Asked after the call: an op interceptor may learn in it which operand is the weight.
+      if linear_head_reason(module) is not None:
+        return outputs
       packed = packed_rows_of(outputs)
       if packed is not None:  # use_sebp(packed=True) ran the head on the packed rows.
         if packed.head is None:

@@ -640,6 +640,24 @@ def test_roformer_packs_its_layers_with_positions_by_column(rotary_value):
                                "decoder"]
 
 
+def test_roformer_in_bfloat16_is_as_close_to_float32_as_dense():
+  """A bf16 RoFormer (its sinusoidal table float32) packed is as close to the float32 dense
+  model as the dense bf16 model."""
+  from transformers import FlaxRoFormerForSequenceClassification, RoFormerConfig
+  model = FlaxRoFormerForSequenceClassification(
+      _encoder_config(RoFormerConfig, embedding_size=16), seed=16)
+  bf16_model = type(model)(model.config, dtype=jnp.bfloat16, _do_init=False)
+  rng = np.random.default_rng(47)
+  batch = _classifier_batch(rng, model, _mask(rng, "holes"))
+  capacity = int(batch[1].sum()) + 3
+  reference = dense_grad(classifier_loss, model)(model.params, *batch)
+  dense_bf16 = dense_grad(classifier_loss, bf16_model)(model.params, *batch)
+  packed_bf16 = packed_grad(classifier_loss, bf16_model, capacity, [])(model.params, *batch)
+  dense_error = _max_error(dense_bf16[1], reference[1])
+  assert 1e-5 < dense_error < 0.05
+  assert _max_error(packed_bf16[1], reference[1]) <= 2 * dense_error
+
+
 def test_roformer_multiple_choice_reads_the_last_column():
   """RoFormer's multiple-choice model reads each row's last column: left padding packs
   exactly; right padding raises for a concrete mask and is NaN under jit."""
@@ -790,6 +808,28 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   with use_sebp(top_n=capacity, active_mask=mask, packed=True, exclude="lm_head") as report:
     jax.eval_shape(lambda p: model(ids, attention_mask=mask, params=p), model.params)
   assert len(report.packed) == 1
+
+
+def test_bloom_refuses_a_mask_of_other_values_than_0_and_1():
+  """Bloom's ALiBi sums its mask's values (a mask of 1s and 2s, segment ids, moves the
+  positions) and packing counts real tokens: the model given such a mask, active_mask its
+  tokens, raises for a concrete mask and makes the loss NaN for a traced one."""
+  model = _tied_decoder("Bloom")
+  rng = np.random.default_rng(48)
+  capacity = BATCH * LENGTH - 6
+  ids, mask, _ = _decoder_batch(rng, "right", capacity)
+  segments = mask * (1 + (np.arange(LENGTH) >= 4))  # 1, then 2
+
+  def loss(params, active, model_mask):
+    with _packing(capacity, active, []):
+      logits = model(ids, attention_mask=model_mask, params=params).logits
+    return masked_causal_lm_loss(logits, ids, active, capacity=capacity)
+
+  with pytest.raises(ValueError, match="counts its attention_mask's values"):
+    loss(model.params, mask, segments)
+  assert np.isnan(float(jax.jit(loss)(model.params, mask, segments)))
+  np.testing.assert_allclose(jax.jit(loss)(model.params, mask, mask),
+                             lm_loss(model)(model.params, ids, mask, None), rtol=1e-5)
 
 
 def test_bloom_packed_without_alibi_is_not_dense(monkeypatch):

@@ -818,9 +818,10 @@ def test_fsdp_loss_computes_a_head_split_by_its_vocabulary_on_each_devices_colum
   assert moved and max(moved) < params["lm_head"]["kernel"].nbytes
 
 
-@pytest.mark.parametrize("adapter", ["lora", "quantized"])
+@pytest.mark.parametrize("adapter", ["lora", "quantized", "odml_quantized"])
 def test_fsdp_loss_computes_an_adapted_head_split_by_its_vocabulary_as_the_head_does(adapter):
-  """qwix's LoRA or quantization-aware training on an LM head split by its vocabulary: the
+  """qwix's LoRA or quantization-aware training (its own, or ODML's, which learns which
+  operand is the weight in the layer's call) on an LM head split by its vocabulary: the
   loss reads the head's own logits (its kernel gathered), not each device's columns of the
   kernel alone, which would leave the adapter or the quantization out. Loss and gradient are
   one device's, the adapter's too."""
@@ -831,10 +832,15 @@ def test_fsdp_loss_computes_an_adapted_head_split_by_its_vocabulary_as_the_head_
     def __call__(self, ids):
       return nn.Dense(64, name="lm_head")(jnp.tanh(nn.Embed(64, 8)(ids)))
 
-  net = (qwix.apply_lora_to_model(TinyLM(), qwix.LoraProvider(module_path="lm_head", rank=2,
-                                                               alpha=2.0))
-         if adapter == "lora" else qwix.quantize_model(TinyLM(), qwix.QtProvider(
-             [qwix.QtRule(module_path="lm_head", weight_qtype="int4")])))
+  if adapter == "lora":
+    net = qwix.apply_lora_to_model(TinyLM(), qwix.LoraProvider(module_path="lm_head", rank=2,
+                                                                alpha=2.0))
+  elif adapter == "quantized":
+    net = qwix.quantize_model(TinyLM(), qwix.QtProvider(
+        [qwix.QtRule(module_path="lm_head", weight_qtype="int4")]))
+  else:
+    net = qwix.quantize_model(TinyLM(), qwix.OdmlQatProvider(
+        [qwix.QuantizationRule(module_path="lm_head", weight_qtype="int8")], strict=False))
   rng = np.random.default_rng(6)
   mask = (np.arange(6)[None] < rng.integers(2, 7, size=(8, 1))).astype(np.int32)
   ids = jnp.asarray(rng.integers(0, 64, size=(8, 6)) * mask, jnp.int32)
