@@ -326,7 +326,8 @@ class use_sebp(SEBPContext):
         and model_families.reads_first_tokens(self._packed_family, module)):
       bound = model_families.bind_arguments(module, args, kwargs)
       bound.arguments["hidden_states"] = self._checked_column_tokens(
-          bound.arguments["hidden_states"], type(module).__name__)
+          bound.arguments["hidden_states"], type(module).__name__,
+          empty_rows=model_families.scores_a_choice(module))
       return model_families.call_bound(next_fun, bound)
     path = module_path(module)
     # A Dense on every token after a packed region (an LM head; token classification's
@@ -354,10 +355,10 @@ class use_sebp(SEBPContext):
                                head)
     return _NOT_PACKED
 
-  def _checked_column_tokens(self, hidden: jax.Array, reader: str,
-                             column: int = 0) -> jax.Array:
+  def _checked_column_tokens(self, hidden: jax.Array, reader: str, column: int = 0,
+                             empty_rows: bool = False) -> jax.Array:
     host_mask = None if isinstance(self.active_mask, jax.core.Tracer) else self.active_mask
-    return checked_column_tokens(hidden, self._layout, host_mask, reader, column)
+    return checked_column_tokens(hidden, self._layout, host_mask, reader, column, empty_rows)
 
   def _packed_lookup(self, module: nn.Embed, args, kwargs) -> jax.Array:
     """A region's lookup of the packed tokens, split over devices: every slot kept, so that
@@ -380,7 +381,8 @@ class use_sebp(SEBPContext):
     if reader is None:
       return args, kwargs
     (inputs,) = args or (kwargs["inputs"],)
-    return (self._checked_column_tokens(inputs, *reader),), {}
+    return (self._checked_column_tokens(inputs, *reader,
+                                        empty_rows=model_families.scores_a_choice(module)),), {}
 
   def _intercept(self, next_fun, args, kwargs, context) -> Any:
     if self._layout is not None:

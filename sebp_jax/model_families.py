@@ -481,6 +481,18 @@ def column_layer(family: PackedFamily, module: nn.Module) -> tuple[str, int] | N
               None)
 
 
+def scores_a_choice(module: nn.Module) -> bool:
+  """Whether ``module`` is part of a multiple-choice model (a module of a
+  ``...ForMultipleChoiceModule``): each row is a choice, scored in a softmax with the others,
+  so a row without real tokens cannot be weighed 0 in the loss."""
+  around = module.parent
+  while isinstance(around, nn.Module):
+    if _from_transformers(around) and type(around).__name__.endswith("ForMultipleChoiceModule"):
+      return True
+    around = around.parent
+  return False
+
+
 def attention_family(module: nn.Module) -> PackedFamily | None:
   """The family whose attention module ``module`` is, or None."""
   name = type(module).__name__
@@ -530,6 +542,10 @@ def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
     arguments["position_ids"] = gather_tokens(positions, layout)
   for name in family.column_arguments:
     if arguments.get(name) is not None:
+      if arguments[name].shape[0] < layout.batch_shape[1]:
+        raise ValueError(
+            f"{family.name}: the model's {name} holds {arguments[name].shape[0]} columns and "
+            f"the batch {layout.batch_shape[1]} (longer than max_position_embeddings?)")
       # Filler slots' columns may pass the padded length: clipped, never read.
       arguments[name] = jnp.take(arguments[name], layout.columns, axis=0, mode="clip")
   if "attention_mask" in arguments:

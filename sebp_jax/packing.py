@@ -439,26 +439,29 @@ _spare_slots_unread.defvjp(_spare_slots_unread_fwd, _spare_slots_unread_bwd)
 
 
 def checked_column_tokens(hidden: Array, layout: PackedLayout, host_mask: Any, reader: str,
-                          column: int = 0) -> Array:
+                          column: int = 0, empty_rows: bool = False) -> Array:
   """``hidden: [B, L, ...]``, a packed region's outputs (or what a layer reads of them), for a
   head that reads one ``column`` of each row: the first (BERT's pooler), or the last (-1,
   RoFormer's multiple choice). Packing computes the real tokens only: a row that holds real
   tokens but padding in that column would read zeros where the padded batch has the padding
   token's state. A concrete ``host_mask`` with such a row raises ValueError; otherwise those
   rows turn NaN, and so every gradient behind them. A row without real tokens reads zeros
-  (weigh it 0)."""
+  (weigh it 0), but with ``empty_rows`` (a multiple-choice model's choices, scored together)
+  it is checked as the others."""
   if host_mask is not None:
     host = np.asarray(host_mask) != 0
-    rows = np.flatnonzero(~host[:, column] & host.any(axis=1))
+    rows = np.flatnonzero(~host[:, column] & (host.any(axis=1) | empty_rows))
     if rows.size:
       which = {0: "first", -1: "last"}.get(column, f"{column}th")
       padding, fix = ("left", "Pad on the right") if column == 0 else ("right", "Pad on the left")
+      holding = ("that hold real tokens or none (each row a choice, scored with the others: "
+                 "give each one a token)" if empty_rows else "that hold real tokens")
       raise ValueError(
           f"packed=True: {reader} reads the {which} column of each row, and active_mask has "
-          f"padding there in row(s) {rows[:8].tolist()} that hold real tokens ({padding} "
-          f"padding?): packing computes the real tokens only. {fix}, or leave packed off.")
+          f"padding there in row(s) {rows[:8].tolist()} {holding} ({padding} padding?): "
+          f"packing computes the real tokens only. {fix}, or leave packed off.")
     return hidden
-  reads_padding = ~layout.mask[:, column] & jnp.any(layout.mask, axis=1)
+  reads_padding = ~layout.mask[:, column] & (jnp.any(layout.mask, axis=1) | empty_rows)
   reads_padding = reads_padding.reshape(-1, *(1,) * (hidden.ndim - 1))
   # NaN times the row's outputs, not a NaN constant: the gradient of the row's real tokens,
   # and so of every weight behind them, turns NaN too (a padding slot's gradient is dropped).

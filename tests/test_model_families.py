@@ -658,9 +658,26 @@ def test_roformer_in_bfloat16_is_as_close_to_float32_as_dense():
   assert _max_error(packed_bf16[1], reference[1]) <= 2 * dense_error
 
 
+def test_roformer_longer_than_its_positions_raises_as_dense():
+  """A batch longer than RoFormer's sinusoidal table: the dense model fails on the shapes,
+  and packing, which takes the table by column, raises rather than reuse its last row."""
+  from transformers import FlaxRoFormerForMaskedLM, RoFormerConfig
+  config = _encoder_config(RoFormerConfig, embedding_size=16)
+  config.max_position_embeddings = LENGTH - 4
+  model = FlaxRoFormerForMaskedLM(config, seed=17)
+  mask = _mask(np.random.default_rng(49), "right")
+  ids = _ids(np.random.default_rng(49), mask)
+  with pytest.raises(ValueError):
+    model(ids, attention_mask=mask)
+  with pytest.raises(ValueError, match="sinusoidal_pos holds 8 columns and the batch 12"):
+    with _packing(BATCH * LENGTH, mask, []):
+      model(ids, attention_mask=mask)
+
+
 def test_roformer_multiple_choice_reads_the_last_column():
   """RoFormer's multiple-choice model reads each row's last column: left padding packs
-  exactly; right padding raises for a concrete mask and is NaN under jit."""
+  exactly; right padding raises for a concrete mask and is NaN under jit, and so does a
+  choice without tokens (scored with the others, it cannot be weighed 0)."""
   from transformers import FlaxRoFormerForMultipleChoice, RoFormerConfig
   model = FlaxRoFormerForMultipleChoice(_encoder_config(RoFormerConfig, embedding_size=16),
                                         seed=15)
@@ -686,6 +703,12 @@ def test_roformer_multiple_choice_reads_the_last_column():
                                        "the last column .* Pad on the left"):
     jax.eval_shape(functools.partial(loss, packed=True, mask=right), model.params, ids)
   assert np.isnan(float(grad(model.params, ids, right, True)[0]))
+  empty_choice = left.copy()
+  empty_choice[1] = 0
+  ids = _ids(rng, empty_choice)
+  with pytest.raises(ValueError, match=r"row\(s\) \[1\] that hold real tokens or none"):
+    jax.eval_shape(functools.partial(loss, packed=True, mask=empty_choice), model.params, ids)
+  assert np.isnan(float(grad(model.params, ids, empty_choice, True)[0]))
 
 
 def _decoder_batch(rng, layout, capacity=BATCH * LENGTH, mask=None):
