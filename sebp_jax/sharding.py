@@ -395,17 +395,17 @@ def _computing_in_place(shards: dict[int, tuple[Array, int]], axis: str, devices
           bias = jax.lax.dynamic_slice_in_dim(
               bias, jax.lax.axis_index(axis) * kernel.shape[1], kernel.shape[1])
       outputs = next_fun(*args, **kwargs)
-      # Asked after the call: an op interceptor may learn in it which operand is the weight.
-      if linear_head_reason(module) is not None:
-        return outputs
       packed = packed_rows_of(outputs)
       if packed is not None:  # use_sebp(packed=True) ran the head on the packed rows.
-        if packed.head is None:
+        if packed.head is None:  # linear_head_reason said why there.
           return outputs
         dtype = packed.head.kernel.dtype  # The forward's promotion, as the head has it.
         return remember_packed(outputs, packed.rows, packed.layout, packed.head.replace(
             kernel=kernel.astype(dtype), bias=None if bias is None else bias.astype(dtype),
             vocab_axis=axis))
+      # Asked after the call: an op interceptor may learn in it which operand is the weight.
+      if linear_head_reason(module) is not None:
+        return outputs
       (inputs,) = args or (kwargs["inputs"],)
       inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
       return remember_head(outputs, LinearHead(
