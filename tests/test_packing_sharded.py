@@ -402,7 +402,7 @@ def tiny_nnx_llama():
 
 @pytest.mark.parametrize("kind,axis_type", [
     ("bert", AxisType.Auto), ("llama", AxisType.Auto), ("llama", AxisType.Explicit),
-    ("llama_nnx", AxisType.Auto)], ids=str)
+    ("llama_nnx", AxisType.Auto), ("llama_nnx", AxisType.Explicit)], ids=str)
 def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(models, kind,
                                                                               axis_type,
                                                                               monkeypatch):
@@ -415,8 +415,8 @@ def test_fsdp_loss_packs_on_each_device_with_one_gather_and_scatter_per_matrix(m
   looks up are reduce-scattered. Llama's LM head is split by its vocabulary and never
   gathered either: the head's inputs and labels are gathered and each row's two sums
   scattered to its device, and in the backward the transposes of these (4 all-gathers and
-  3 reduce-scatters in all). On an `Explicit` mesh too, where transformers' Flax models run
-  inside the `shard_map` only."""
+  3 reduce-scatters in all). On an `Explicit` mesh too, where transformers' Flax models and
+  Tunix's NNX Llama run inside the `shard_map` only."""
   from flax import nnx
 
   from examples.pretrained import tunix_logits
