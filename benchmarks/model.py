@@ -161,8 +161,14 @@ SETUPS = {
                         "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
     "roformer": Setup("roformer-base shapes (RoFormerConfig(), classification head)", 32, 512,
                       "sst2_dev_bert_wordpiece.json", has_lm_head=False, classifier=True),
+    "albert": Setup("albert-base-v2 shapes (one layer's weights shared by 12; classification "
+                    "head)", 32, 512, "sst2_dev_bert_wordpiece.json", has_lm_head=False,
+                    classifier=True),
     "llama": Setup("Llama-3.2-1B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
                    has_lm_head=True),
+    # The paper's larger model.
+    "llama_3b": Setup("Llama-3.2-3B shapes", 4, 1024, "wikitext2_valid_smollm2_bpe.json",
+                      has_lm_head=True),
     # Long context: WikiText-2 sections (mean about 500 tokens, a tail past 2,000), about
     # 8k real tokens a batch.
     "llama_long": Setup("Llama-3.2-1B shapes, long context (WikiText-2 sections)", 16, 2560,
@@ -236,7 +242,8 @@ def build_nnx_llama(tiny: bool, param_dtype) -> NNXModel:
 
 def build_model(kind: str, tiny: bool, dtype):
   """transformers Flax model with random weights: real shapes, or toy ones with ``tiny``."""
-  from transformers import (BertConfig, BloomConfig, DistilBertConfig,
+  from transformers import (AlbertConfig, BertConfig, BloomConfig, DistilBertConfig,
+                            FlaxAlbertForSequenceClassification,
                             FlaxBertForSequenceClassification, FlaxBloomForCausalLM,
                             FlaxDistilBertForSequenceClassification, FlaxGPT2LMHeadModel,
                             FlaxGPTNeoForCausalLM, FlaxLlamaForCausalLM, FlaxOPTForCausalLM,
@@ -249,6 +256,12 @@ def build_model(kind: str, tiny: bool, dtype):
     config = (DistilBertConfig(num_labels=2, dim=64, n_layers=2, n_heads=2, hidden_dim=128)
               if tiny else DistilBertConfig(num_labels=2))
     return FlaxDistilBertForSequenceClassification(config, seed=0, dtype=dtype)
+  if kind == "albert":
+    config = (AlbertConfig(num_labels=2, embedding_size=32, hidden_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=128)
+              if tiny else AlbertConfig(num_labels=2, hidden_size=768, num_attention_heads=12,
+                                        intermediate_size=3072))
+    return FlaxAlbertForSequenceClassification(config, seed=0, dtype=dtype)
   if kind == "gpt2":
     config = (GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
               if tiny else GPT2Config())
@@ -289,8 +302,11 @@ def build_model(kind: str, tiny: bool, dtype):
       config = BertConfig(num_labels=2, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=2, intermediate_size=128)
     return FlaxBertForSequenceClassification(config, seed=0, dtype=dtype)
-  config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+  wide = kind == "llama_3b"
+  config = LlamaConfig(hidden_size=3072 if wide else 2048,
+                       num_hidden_layers=28 if wide else 16,
+                       num_attention_heads=24 if wide else 32, num_key_value_heads=8,
+                       intermediate_size=8192, vocab_size=128256,
                        max_position_embeddings=SETUPS[kind].length, rope_theta=500000.0,
                        tie_word_embeddings=True)
   if tiny:

@@ -43,8 +43,8 @@ def test_bound_mode_writes_dx_and_skips_weight_gradients():
   assert not np.any(grads["lm_head"]["kernel"]) and not np.any(grads["model"]["norm"]["weight"])
 
 
-@pytest.mark.parametrize("kind", ["bert", "distilbert", "roformer", "llama", "gpt2", "gpt_neo",
-                                  "opt", "xglm", "bloom"])
+@pytest.mark.parametrize("kind", ["bert", "albert", "distilbert", "roformer", "llama", "gpt2",
+                                  "gpt_neo", "opt", "xglm", "bloom"])
 def test_packed_and_fast_attention_modes_give_the_dense_gradient(kind):
   """The baselines, packing and the exact capacities the benchmark times compute the dense
   loss and gradient."""
