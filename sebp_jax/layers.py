@@ -62,11 +62,16 @@ class KeptFraction(float):
     return hash((KeptFraction, float(self)))
 
 
+def kept_top_n(top_n: int | float | str) -> int | float | str:
+  """A layer's ``top_n`` as it keeps it: a float as a :class:`KeptFraction`, else as given."""
+  if isinstance(top_n, (float, np.floating)) and not isinstance(top_n, KeptFraction):
+    return KeptFraction(_as_written(top_n))
+  return top_n
+
+
 def _fraction_as_kept(module: nn.Module) -> None:
   """In a layer's ``__post_init__``: a float ``top_n`` as a :class:`KeptFraction`."""
-  if isinstance(module.top_n, (float, np.floating)) and not isinstance(module.top_n,
-                                                                     KeptFraction):
-    object.__setattr__(module, "top_n", KeptFraction(_as_written(module.top_n)))
+  object.__setattr__(module, "top_n", kept_top_n(module.top_n))
 
 
 def promotion_for_sebp(module: nn.Module, *arrays: Array | None, inexact: bool = True):

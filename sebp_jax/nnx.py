@@ -30,7 +30,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from sebp_jax import context as context_lib
 from sebp_jax import model_families
 from sebp_jax.context import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, SEBPContext, SEBPReport, record
-from sebp_jax.layers import resolve_top_n
+from sebp_jax.layers import kept_top_n, resolve_top_n
 from sebp_jax.outputs import unread_parameters_reason
 from sebp_jax.packing import (ATTENTION_METHODS, PackedLayout, checked_decoder_mask,
                               invalid_slots, packed_attention)
@@ -190,7 +190,8 @@ class SEBPLinear(nnx.Linear):
       raise ValueError("SEBPLinear computes in its inputs' promoted dtype and cannot take a "
                        "preferred_element_type; use nnx.Linear for such layers")
     super().__init__(in_features, out_features, **linear_kwargs)
-    self.top_n, self.threshold, self.overflow = top_n, threshold, overflow
+    # A fraction never equal to a row count (1.0 against 1) in the graph definition.
+    self.top_n, self.threshold, self.overflow = kept_top_n(top_n), threshold, overflow
     self.backend, self.row_log = backend, row_log
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
@@ -217,7 +218,8 @@ class SEBPEmbed(nnx.Embed):
                overflow: str = "exact", row_log: RowLog | None = None, **embed_kwargs):
     _validated_options(top_n, threshold, overflow, "auto", row_log)
     super().__init__(num_embeddings, features, **embed_kwargs)
-    self.top_n, self.threshold, self.overflow, self.row_log = top_n, threshold, overflow, row_log
+    self.top_n, self.threshold = kept_top_n(top_n), threshold
+    self.overflow, self.row_log = overflow, row_log
 
   def __call__(self, inputs: Array, out_sharding=None) -> Array:
     """Embeds the integer ``inputs: [...]`` into ``[..., features]``."""

@@ -87,6 +87,34 @@ def test_sebp_linear_with_a_small_capacity_drops_as_the_paper_does():
   assert relative_error(d_state["bias"][...], want_db) < 1e-6
 
 
+@pytest.mark.parametrize("layer", ["SEBPLinear", "SEBPEmbed"])
+def test_a_fraction_and_a_row_count_of_equal_value_are_different_drop_ins(layer):
+  """`top_n=1.0` (every row) and `top_n=1` (one row) make different graph definitions, so
+  `nnx.jit` compiles each: every row's gradient is `nnx.grad`'s of the plain layer after one
+  row's was compiled, which drops the others."""
+  rng = np.random.default_rng(11)
+  if layer == "SEBPLinear":
+    make = lambda cls, **kw: cls(8, 4, rngs=nnx.Rngs(0), **kw)
+    plain, sebp = nnx.Linear, sebp_nnx.SEBPLinear
+    inputs = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+  else:
+    make = lambda cls, **kw: cls(12, 4, rngs=nnx.Rngs(0), **kw)
+    plain, sebp = nnx.Embed, sebp_nnx.SEBPEmbed
+    inputs = jnp.asarray(rng.integers(0, 12, 6), jnp.int32)
+  weights = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+  loss = lambda module, inputs: jnp.sum(jnp.sin(module(inputs)) * weights)
+  step = nnx.jit(nnx.grad(loss))
+  one, every = (make(sebp, top_n=top_n, overflow="drop") for top_n in (1, 1.0))
+  assert nnx.graphdef(one) != nnx.graphdef(every)
+  want = nnx.grad(loss)(make(plain), inputs)
+  starved = step(one, inputs)
+  got = step(every, inputs)
+  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-6)
+  assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(starved),
+                                                   jax.tree.leaves(want)))
+
+
 def test_sebp_embed_is_a_drop_in_with_the_reference_backward():
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.integers(0, 30, (4, 9)))
