@@ -286,8 +286,6 @@ class PackedFamily:
       -1): their input is checked as a first-token head's is, at that column.
     column_arguments: the region's arguments indexed by column (``[L, ...]``: RoFormer's
       sinusoidal positions), taken at each packed token's column.
-    binary_mask: the model reads its attention mask's values, not only where they are 0
-      (Bloom's ALiBi sums them): a mask must hold 0 and 1 only.
   """
   name: str
   regions: tuple[str, ...]
@@ -297,7 +295,6 @@ class PackedFamily:
   first_token_heads: tuple[str, ...] = ()
   column_layers: tuple[tuple[str, int], ...] = ()
   column_arguments: tuple[str, ...] = ()
-  binary_mask: bool = False
 
 
 _BERT_STYLE = ("Bert", "Roberta", "XLMRoberta", "RobertaPreLayerNorm", "Electra")
@@ -339,7 +336,7 @@ FAMILIES = (
     PackedFamily("XGLM decoder", ("FlaxXGLMModule",), "input_ids", ("FlaxXGLMAttention",),
                  bart_style_decoder_attention),
     PackedFamily("Bloom decoder", ("FlaxBloomModule",), "input_ids", ("FlaxBloomAttention",),
-                 bloom_attention, binary_mask=True),
+                 bloom_attention),
 )
 #: The packed regions by family, for messages: "DistilBERT encoder: FlaxTransformer; ...".
 SUPPORTED = "; ".join(f"{family.name}: {', '.join(family.regions)}" for family in FAMILIES)
@@ -533,7 +530,7 @@ def run_region(family: PackedFamily, module: nn.Module, next_fun, args, kwargs,
   if given is None and "attention_mask" in arguments:
     # Called without a mask, the model attends over every token, padding included.
     given = np.ones(layout.batch_shape, np.int32)
-  layout = checked_against(layout, given, binary=family.binary_mask)
+  layout = checked_against(layout, given)
   tokens = arguments[family.tokens_argument]
   arguments[family.tokens_argument] = gather_tokens(
       tokens, layout, filler="token" if jnp.issubdtype(tokens.dtype, jnp.integer) else "zero")

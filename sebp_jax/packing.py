@@ -346,12 +346,13 @@ def map_shards(fn: Callable, layout: PackedLayout, arrays: tuple, splits: tuple[
                        axis_names=frozenset(axes), check_vma=False)(leaves, *arrays)
 
 
-def checked_against(layout: PackedLayout, attention_mask, binary: bool = False) -> PackedLayout:
+def checked_against(layout: PackedLayout, attention_mask) -> PackedLayout:
   """``layout``, for a model called with ``attention_mask``: packing attends over the real
   tokens of the layout's mask, so another mask (a loss mask given as ``active_mask``, a second
-  batch in one context) would change the model; with ``binary``, for a model that reads the
-  mask's values (Bloom's ALiBi counts them), so would values other than 0 and 1. A concrete
-  mismatch raises; a traced one makes the packed outputs NaN."""
+  batch in one context) would change the model, and so would values other than 0 and 1, which
+  transformers' models read: they cast the mask to int32 (0.5 masks a token), BERT's encoders
+  mask where it is below 1, DistilBERT scales its scores by it, OPT's positions and Bloom's
+  ALiBi sum it. A concrete mismatch raises; a traced one makes the packed outputs NaN."""
   if attention_mask is None:
     return layout
   if jnp.shape(attention_mask) != layout.batch_shape:
@@ -364,15 +365,16 @@ def checked_against(layout: PackedLayout, attention_mask, binary: bool = False) 
       raise ValueError("the model's attention_mask (all ones where it is given none) differs "
                        "from use_sebp's active_mask: packing attends over the tokens of "
                        "active_mask, so pass the model's attention mask as active_mask")
-    if binary and np.any((given != 0) & (given != 1)):
-      raise ValueError("the model counts its attention_mask's values (Bloom's ALiBi: a key's "
-                       "position is the sum of the mask before it), and packing counts real "
-                       "tokens: pass a mask of 0 and 1")
+    if np.any((given != 0) & (given != 1)):
+      raise ValueError("the model's attention_mask holds values other than 0 and 1, which the "
+                       "model reads (cast to int32, compared with 0, summed into positions: "
+                       "each family its own way), while packing sees only where it is 0: "
+                       "pass a mask of 0 and 1")
     return layout
 
   def differs(block, given):
-    other_values = jnp.any((given != 0) & (given != 1)) if binary else False
-    return block.invalid | jnp.any((given != 0) != block.mask) | other_values
+    return (block.invalid | jnp.any((given != 0) != block.mask)
+            | jnp.any((given != 0) & (given != 1)))
 
   if layout.shards is None:
     return layout.replace(invalid=differs(layout, jnp.asarray(attention_mask)))

@@ -833,26 +833,48 @@ def test_decoders_with_tied_heads_packed_gradients_equal_dense(name, attention):
   assert len(report.packed) == 1
 
 
-def test_bloom_refuses_a_mask_of_other_values_than_0_and_1():
-  """Bloom's ALiBi sums its mask's values (a mask of 1s and 2s, segment ids, moves the
-  positions) and packing counts real tokens: the model given such a mask, active_mask its
-  tokens, raises for a concrete mask and makes the loss NaN for a traced one."""
-  model = _tied_decoder("Bloom")
+def _distilbert_classifier():
+  from transformers import DistilBertConfig, FlaxDistilBertForSequenceClassification
+  return FlaxDistilBertForSequenceClassification(
+      DistilBertConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32,
+                       max_position_embeddings=32, initializer_range=0.2), seed=7)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("BERT", -1), ("DistilBERT", 2), ("OPT", 2), ("Bloom", 2), ("Llama", 0.5)], ids=str)
+def test_a_model_mask_of_other_values_than_0_and_1_is_refused(name, value):
+  """transformers' models read their mask's values, packing only where it is 0: BERT masks a
+  -1, DistilBERT scales its scores by a 2, OPT's positions and Bloom's ALiBi sum a mask of
+  1s and 2s (segment ids), and every model casts the mask to int32 (a Llama masks a 0.5).
+  Given such a mask, active_mask its non-zero tokens, packing raises for a concrete mask and
+  makes the loss NaN for a traced one; the dense model's output moves with the value (the
+  check is not vacuous), and the 0/1 mask packs to the dense loss."""
+  model = {"BERT": lambda: FlaxBertForSequenceClassification(_encoder_config(
+               BertConfig, initializer_range=0.2), seed=0),
+           "DistilBERT": _distilbert_classifier,
+           "Llama": lambda: FlaxLlamaForCausalLM(_decoder_config(LlamaConfig), seed=2)
+           }.get(name, lambda: _tied_decoder(name))()
   rng = np.random.default_rng(48)
   capacity = BATCH * LENGTH - 6
   ids, mask, _ = _decoder_batch(rng, "right", capacity)
-  segments = mask * (1 + (np.arange(LENGTH) >= 4))  # 1, then 2
+  valued = mask * np.where(np.arange(LENGTH) >= 4, value, 1)
+  weights = rng.standard_normal((BATCH, LENGTH, VOCAB))
 
-  def loss(params, active, model_mask):
-    with _packing(capacity, active, []):
+  def loss(params, active, model_mask, packed=True):
+    with _packing(capacity if packed else None, active, []):
       logits = model(ids, attention_mask=model_mask, params=params).logits
-    return masked_causal_lm_loss(logits, ids, active, capacity=capacity)
+    if logits.ndim == 2:  # A classifier: its rows' first column.
+      return jnp.sum(logits ** 2)
+    return jnp.sum(jnp.where(active[..., None] != 0, logits, 0) * weights)
 
-  with pytest.raises(ValueError, match="counts its attention_mask's values"):
-    loss(model.params, mask, segments)
-  assert np.isnan(float(jax.jit(loss)(model.params, mask, segments)))
-  np.testing.assert_allclose(jax.jit(loss)(model.params, mask, mask),
-                             lm_loss(model)(model.params, ids, mask, None), rtol=1e-5)
+  dense_valued = jax.jit(functools.partial(loss, packed=False))(model.params, mask, valued)
+  dense = jax.jit(functools.partial(loss, packed=False))(model.params, mask, mask)
+  assert abs(float(dense_valued) - float(dense)) > 1e-4 * abs(float(dense))
+  # A 0.5 is 0 once cast: the mask the model reads is not active_mask.
+  with pytest.raises(ValueError, match="values other than 0 and 1|differs from use_sebp"):
+    loss(model.params, mask, valued)
+  assert np.isnan(float(jax.jit(loss)(model.params, mask, valued)))
+  np.testing.assert_allclose(jax.jit(loss)(model.params, mask, mask), dense, rtol=1e-5)
 
 
 def test_bloom_packed_without_alibi_is_not_dense(monkeypatch):
