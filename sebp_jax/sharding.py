@@ -529,14 +529,16 @@ def fsdp_loss(loss_fn: Callable, mesh: Any, param_specs: Any, *, axis: str = "da
     # drops its gather.
     in_place = {id(w): (shard, dimension) for w, shard, dimension in zip(whole, shards, dimensions)
                 if dimension is not None}
-    weight = (jnp.float32(jax.tree.leaves(batch)[0].shape[0]) if weight_fn is None
-              else jnp.asarray(weight_fn(batch), jnp.float32))
-    total = jax.lax.psum(weight, axis)
-    share = weight / jnp.where(total == 0, 1.0, total)
+    weight = jnp.asarray(jax.tree.leaves(batch)[0].shape[0] if weight_fn is None
+                         else weight_fn(batch))
+    total = jax.lax.psum(weight, axis)  # Counts sum exactly, as integers.
     with (nn.intercept_methods(_computing_in_place(in_place, axis, mesh.shape[axis],
                                                    lookups_in_place)),
           _devices_weighed_by_rows(weight_fn is None)):
       loss = loss_fn(_unboxed(params_tree.unflatten(whole)), batch)
+    # The share in the loss's precision (float64 under x64), float32 at least.
+    dtype = jnp.promote_types(loss.dtype, jnp.float32)
+    share = weight.astype(dtype) / jnp.where(total == 0, 1, total).astype(dtype)
     return jax.lax.psum(loss * share, axis)
 
   return jax.shard_map(per_device, mesh=mesh, in_specs=(param_specs, split), out_specs=P())

@@ -897,6 +897,33 @@ def test_fsdp_loss_refuses_a_token_mean_weighed_by_rows():
     jax.jit(fsdp_loss(jitted, mesh, specs))(params, batch)
 
 
+@pytest.mark.parametrize("weighed", [False, True], ids=["by_rows", "by_weight_fn"])
+def test_fsdp_loss_keeps_a_float64_loss_in_float64(weighed):
+  """Under x64 a float64 loss is the whole batch's to float64 rounding: each device's share
+  (1/3 of the rows on 3 devices, or its count of a `weight_fn`'s) is taken in the loss's
+  dtype, not rounded to float32 (about 1e-8 off)."""
+  rng = np.random.default_rng(21)
+  with jax.enable_x64(True):
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3)))}
+    x = jnp.asarray(rng.normal(size=(6, 5)))
+    rows = jnp.asarray([1, 1, 1, 0, 1, 1], jnp.int32)
+
+    def loss(params, batch):
+      x, rows = batch
+      per_row = jnp.sum(jnp.tanh(x @ params["w"]) ** 2, axis=1)
+      return jnp.sum(per_row * rows) / jnp.maximum(jnp.sum(rows), 1)
+
+    mesh = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=CPUS[:3])
+    weight_fn = (lambda batch: jnp.sum(batch[1])) if weighed else None
+    batch = (x, rows if weighed else jnp.ones_like(rows))
+    want = jax.value_and_grad(loss)(params, batch)
+    got = jax.jit(jax.value_and_grad(fsdp_loss(loss, mesh, {"w": P()}, weight_fn=weight_fn)))(
+        _put(params, mesh, P()), _put(batch, mesh, P("data")))
+    assert got[0].dtype == jnp.float64
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-13)
+    np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=1e-12)
+
+
 def test_fsdp_loss_takes_params_boxed_by_with_partitioning():
   """A Linen LM whose table and kernels are made with `nn.with_partitioning` (names that are
   no axis of the mesh among them): `fsdp_specs` splits the boxed params as it does unboxed
