@@ -503,6 +503,8 @@ class use_sebp(SEBPContext):
                               active_rows)
 
   def __enter__(self) -> SEBPReport:
+    if self.active_mask is not None and getattr(_PACKED_ATTENTION, "context", None) is not None:
+      raise ValueError(MASK_BESIDE_PACKING)
     self.activate()
     try:
       self._swap_layers()
@@ -600,6 +602,14 @@ def _packed_attention_class(cls: type, entry: model_families.NNXAttention) -> ty
   return _PACKED_CLASSES[cls]
 
 
+#: Why :class:`use_sebp`'s ``active_mask`` and :class:`use_packed_attention` do not mix.
+MASK_BESIDE_PACKING = (
+    "use_sebp(active_mask=...) beside use_packed_attention: active_mask flags the padded "
+    "batch's tokens [B, L], and the model runs on the packed ones [1, C] (where C == L its "
+    "index would be taken for theirs). Leave active_mask out: the packed slots are the real "
+    "tokens, and each layer selects its own rows from dY")
+
+
 class use_packed_attention:
   """Runs the attention of an NNX decoder called on packed inputs per sequence.
 
@@ -680,6 +690,9 @@ class use_packed_attention:
   def __enter__(self) -> "use_packed_attention":
     if getattr(_PACKED_ATTENTION, "context", None) is not None:
       raise RuntimeError("use_packed_attention contexts do not nest")
+    sebp = getattr(context_lib._ACTIVE, "context", None)
+    if isinstance(sebp, use_sebp) and sebp.active_mask is not None:
+      raise ValueError(MASK_BESIDE_PACKING)
     for _, module in nnx.iter_modules(self.model):
       entry = model_families.nnx_attention(module)
       if entry is not None:

@@ -3,6 +3,7 @@ attention projections, nnx.Linear MLP, nnx.remat of its blocks), gradients equal
 
 import re
 import threading
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -313,6 +314,33 @@ def test_use_packed_attention_restores_the_model_and_refuses_misuse():
   with pytest.raises(ValueError, match="no attention module .* supported: tunix"):
     with sebp_nnx.use_packed_attention(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), packed.layout):
       pass
+
+
+def test_an_active_mask_beside_packed_inputs_is_refused():
+  """use_sebp's active_mask flags the padded batch's tokens; the model runs on the packed ones.
+  One row packed into L slots has the mask's shape, so the layers would take its index for
+  the packed rows (every gradient NaN with left padding): either order of the two contexts
+  raises, and use_sebp without active_mask runs beside the packed attention."""
+  model = _tiny_llama(weight_tying=False, remat="NONE")
+  mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1]], np.int32)  # Left padding.
+  ids = np.random.default_rng(7).integers(1, 96, mask.shape).astype(np.int32) * mask
+  length = mask.shape[1]
+  with sebp_nnx.use_sebp(model, active_mask=mask, lm_head=True, require_swaps=False):
+    with pytest.raises(ValueError, match=r"active_mask=...\) beside use_packed_attention"):
+      tunix_logits(model, ids, mask, capacity=length)
+  packed = pack_decoder_inputs(ids, mask, length)
+  with sebp_nnx.use_packed_attention(model, packed.layout):
+    with pytest.raises(ValueError, match=r"active_mask=...\) beside use_packed_attention"):
+      sebp_nnx.use_sebp(model, active_mask=mask).__enter__()
+
+  def loss(model, sebp):
+    with sebp_nnx.use_sebp(model, lm_head=True, backend="xla") if sebp else nullcontext():
+      logits = tunix_logits(model, ids, mask, capacity=length)
+    return masked_causal_lm_loss(logits, ids, mask)
+
+  want = nnx.state(nnx.grad(loss)(model, False), nnx.Param)
+  got = nnx.state(nnx.grad(loss)(model, True), nnx.Param)
+  assert_every_gradient_close(got, want, rtol=2e-5)
 
 
 def test_a_step_jitted_outside_the_context_compiles_for_each_layout():
